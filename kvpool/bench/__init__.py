@@ -1,0 +1,1 @@
+"""Workload generators and benchmarks; each benchmark prints a human table and, last, one JSON line."""

@@ -1,0 +1,70 @@
+"""`kvpool bench manager`: replay a trace through the KV cache manager alone (no model).
+
+Reports hit rate, requests/s, blocks/s, microseconds per operation class (medians of `--repeats`
+runs) and the offline-optimal (Belady) hit rate on the same pool, so the eviction policy's gap to the
+optimum is visible. Its JSON line is what `../shared/peers/compare_manager.py` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from kvpool.bench.belady import belady_hit_rate
+from kvpool.bench.replay import OPS, replay
+from kvpool.bench.report import emit, format_table
+from kvpool.bench.workloads import load_trace, multi_turn_trace, shared_prefix_trace
+from kvpool.core.hashing import BlockHasher
+from kvpool.core.kv_cache_manager import KVCacheManager
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="JSON-lines trace; default: generate --workload")
+    p.add_argument("--workload", choices=["shared-prefix", "multi-turn"], default="shared-prefix")
+    p.add_argument("--requests", type=int, default=2000, help="shared-prefix requests when generating")
+    p.add_argument("--num-blocks", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hash-algo", default="sha256")
+    p.add_argument("--no-belady", action="store_true", help="skip the offline-optimal simulation")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def run(a: argparse.Namespace) -> dict:
+    if a.repeats < 1 or a.concurrency < 1:
+        raise SystemExit("--repeats and --concurrency must be >= 1")
+    if a.trace:
+        trace, source = load_trace(a.trace), a.trace
+    elif a.workload == "multi-turn":
+        trace, source = multi_turn_trace(), "generated multi-turn"
+    else:
+        trace, source = shared_prefix_trace(a.requests), "generated shared-prefix"
+    runs = []
+    for _ in range(a.repeats):
+        mgr = KVCacheManager(a.num_blocks, a.block_size)
+        runs.append(replay(trace, mgr, BlockHasher(a.block_size, a.hash_algo), a.concurrency))
+    wall = statistics.median(r.wall_s for r in runs)
+    n_blocks = sum(-(-(len(r["prompt"]) + len(r["decode"])) // a.block_size) for r in trace)
+    n_decode = sum(len(r["decode"]) for r in trace)
+    per_op = {}
+    for op in OPS:
+        unit = n_decode if op.startswith("decode") else len(trace)
+        per_op[op] = round(statistics.median(r.times[op] for r in runs) / max(unit, 1) * 1e6, 3)
+    hit_rate = runs[0].hit_rate
+    optimal = None if a.no_belady else belady_hit_rate(trace, a.num_blocks, a.block_size, a.concurrency,
+                                                      a.hash_algo)
+    result = dict(system="kvpool", hash_algo=a.hash_algo, repeats=a.repeats, requests=len(trace),
+                  num_blocks=a.num_blocks, block_size=a.block_size, concurrency=a.concurrency,
+                  hit_rate=hit_rate, belady_hit_rate=optimal, wall_s=wall,
+                  requests_per_s=len(trace) / wall, blocks_per_s=n_blocks / wall,
+                  us_per_request_or_decode_token=per_op)
+    rows = [["trace", source], ["requests", len(trace)], ["pool", f"{a.num_blocks} blocks of {a.block_size}"],
+            ["concurrency", a.concurrency], ["hit rate (LRU)", f"{hit_rate:.4f}"],
+            ["hit rate (Belady optimum)", "skipped" if optimal is None else f"{optimal:.4f}"],
+            ["wall s (median)", f"{wall:.3f}"], ["requests/s", f"{len(trace) / wall:,.0f}"],
+            ["blocks/s", f"{n_blocks / wall:,.0f}"]]
+    rows += [[f"us per {'decoded token' if op.startswith('decode') else 'request'}: {op}", per_op[op]]
+             for op in OPS]
+    emit(format_table(["metric", "value"], rows), result, a.json)
+    return result

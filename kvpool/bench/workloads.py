@@ -1,0 +1,77 @@
+"""Request traces: JSON lines of {"id", "prompt": [ids], "decode": [ids]}, and generators for them.
+
+The generators produce the two standard shapes of `../shared/peers/make_trace.py` (same parameters):
+shared-prefix (a few long system prompts, unique suffixes) and multi-turn (interleaved conversations
+whose every turn resends the whole history). Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TypedDict
+
+
+class TraceRequest(TypedDict):
+    id: str
+    prompt: list[int]
+    decode: list[int]
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            for key in ("id", "prompt", "decode"):
+                if key not in r:
+                    raise ValueError(f"{path}:{n}: trace line lacks {key!r}")
+            out.append(r)
+    return out
+
+
+def write_trace(path: str | Path, trace: list[TraceRequest]) -> None:
+    with open(path, "w") as f:
+        for r in trace:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+
+def shared_prefix_trace(n_requests: int = 2000, *, seed: int = 0, n_systems: int = 20, sys_min: int = 256,
+                        sys_max: int = 1024, prompt_max: int = 2048, decode_len: int = 64,
+                        vocab: int = 32000) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab) for _ in range(rng.randint(sys_min, sys_max))] for _ in range(n_systems)]
+    out: list[TraceRequest] = []
+    for i in range(n_requests):
+        sp = systems[rng.randrange(n_systems)]
+        total = rng.randint(max(512, len(sp) + 16), prompt_max)
+        out.append(TraceRequest(id=f"req-{i}",
+                                prompt=sp + [rng.randrange(vocab) for _ in range(total - len(sp))],
+                                decode=[rng.randrange(vocab) for _ in range(decode_len)]))
+    return out
+
+
+def multi_turn_trace(n_conversations: int = 64, turns: int = 6, *, seed: int = 0, system_len: int = 512,
+                     user_min: int = 32, user_max: int = 256, answer_min: int = 32, answer_max: int = 128,
+                     vocab: int = 32000) -> list[TraceRequest]:
+    return list(_multi_turn(random.Random(seed), n_conversations, turns, system_len, user_min, user_max,
+                            answer_min, answer_max, vocab))
+
+
+def _multi_turn(rng: random.Random, n_conv: int, turns: int, system_len: int, user_min: int, user_max: int,
+                answer_min: int, answer_max: int, vocab: int) -> Iterator[TraceRequest]:
+    system = [rng.randrange(vocab) for _ in range(system_len)]
+    history = [list(system) for _ in range(n_conv)]
+    order = [c for c in range(n_conv) for _ in range(turns)]
+    rng.shuffle(order)
+    done = [0] * n_conv
+    for c in order:
+        history[c] += [rng.randrange(vocab) for _ in range(rng.randint(user_min, user_max))]
+        answer = [rng.randrange(vocab) for _ in range(rng.randint(answer_min, answer_max))]
+        yield TraceRequest(id=f"c{c}-t{done[c]}", prompt=list(history[c]), decode=answer)
+        history[c] += answer
+        done[c] += 1

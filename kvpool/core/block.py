@@ -1,0 +1,28 @@
+"""The KV cache block: one page of `block_size` token slots, as the manager tracks it.
+
+A block is also a node of the intrusive free list (`prev_free` / `next_free`), so moving it in or
+out of the free queue allocates nothing and costs O(1).
+"""
+
+from __future__ import annotations
+
+BlockHash = bytes
+"""A block's identity in the prefix cache: H(parent hash, block tokens, extra keys)."""
+
+
+class KVCacheBlock:
+    __slots__ = ("block_hash", "block_id", "is_null", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        # Number of running requests whose block table holds this block.
+        self.ref_cnt = 0
+        # Set once the block is full and cached; cleared when it is evicted.
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"

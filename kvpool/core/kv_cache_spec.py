@@ -1,0 +1,32 @@
+"""What one group of layers needs from the KV cache: tokens per block and bytes per block (page).
+
+Each layer type gets its own spec; a model's layers are grouped by spec, and each group gets one
+manager and one block table per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    block_size: int
+    num_kv_heads: int = 1
+    head_size: int = 1
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_heads", "head_size", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer: K and V for block_size tokens."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """Every token attends to every earlier token: all blocks are kept for the request's lifetime."""

@@ -1,0 +1,17 @@
+"""The swap plan: block copies between tiers that the runner executes before a step's forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SwapPlan:
+    # (device block id, host block id): copy device -> host. Executed before every swap-in, because a
+    # device block evicted this step may be the destination of a swap-in of the same step.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host block id, device block id): copy host -> device.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
