@@ -24,7 +24,8 @@ NEVER = 1 << 60
 
 
 class BeladyBlockPool(BlockPool):
-    def __init__(self, num_blocks: int, uses: dict[BlockHash, list[int]], depth: dict[BlockHash, int]) -> None:
+    def __init__(self, num_blocks: int, uses: dict[BlockHash, list[int]],
+                 depth: dict[BlockHash, int]) -> None:
         super().__init__(num_blocks)
         self.uses = uses  # hash -> sorted request indices whose lookup includes it
         self.depth = depth

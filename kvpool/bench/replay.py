@@ -33,7 +33,7 @@ class ReplayResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class PoolTooSmall(RuntimeError):
+class PoolTooSmall(ValueError):
     pass
 
 

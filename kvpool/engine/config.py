@@ -1,0 +1,47 @@
+"""Engine configuration, and parsing of human-written sizes such as '1GiB'."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_size(value: str | int | float, field: str = "kv_cache_memory") -> int:
+    """Bytes from '2GiB', '512MiB', '1e9', 1073741824; a bare number below 1024 means GiB."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        num, unit = float(value), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field}: cannot read {value!r} as a size (examples: 2GiB, 512MiB, 1073741824)")
+        num, unit = float(m.group(1)), m.group(2).lower()
+    if num <= 0:
+        raise ValueError(f"{field}: must be > 0, got {value!r}")
+    if unit == "" and num < 1024:
+        return int(num * (1 << 30))
+    return int(num * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a local HF folder; None: the default SmolLM2
+    dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda when present, else cpu
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests)
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    skip_tokenizer_init: bool = False
+    enable_kv_events: bool = False
+
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)

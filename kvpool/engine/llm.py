@@ -1,0 +1,79 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import LLMEngine
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, enable_prefix_caching: bool = True, **kw: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, enable_prefix_caching=enable_prefix_caching, **kw))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs keep the prompts' order."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("sampling_params: one per prompt, or a single one for all")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        return self._run(prompts, params, use_tqdm, cache_salt)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Like generate, with each conversation rendered by the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        ids = [self.engine.apply_chat_template(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+             cache_salt: str | None) -> list[RequestOutput]:
+        eng = self.engine
+        order: dict[str, int] = {}
+        added: list[str] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                req = eng.add_request(p, sp, cache_salt=cache_salt)
+                order[req.request_id] = i
+                added.append(req.request_id)
+        except Exception:
+            for rid in added:  # a bad prompt rejects the batch without leaking the others' blocks
+                eng.abort_request(rid)
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = None
+        if use_tqdm and len(prompts) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generating", unit="req")
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]

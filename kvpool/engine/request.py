@@ -1,0 +1,92 @@
+"""An engine request: the cache's view of it (`CacheRequest`) plus sampling state, status and timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.core.hashing import BlockHasher
+from kvpool.core.request import CacheRequest, MultiModalItem
+from kvpool.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class Request(CacheRequest):
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                 hasher: BlockHasher | None = None, eos_token_ids: Sequence[int] = (),
+                 max_model_len: int | None = None, lora_id: int | str | None = None,
+                 mm_items: Sequence[MultiModalItem] = (), cache_salt: str | None = None,
+                 prompt: str | None = None, arrival_time: float | None = None) -> None:
+        super().__init__(request_id, prompt_token_ids, hasher=hasher, lora_id=lora_id, mm_items=mm_items,
+                         cache_salt=cache_salt)
+        self.sampling_params = sampling_params
+        self.prompt = prompt
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        mt = sampling_params.max_tokens
+        if max_model_len is not None:
+            if self.num_prompt_tokens >= max_model_len:
+                raise ValueError(f"prompt_token_ids: the prompt has {self.num_prompt_tokens} tokens; the "
+                                 f"context holds {max_model_len}, and one must be left to generate")
+            room = max_model_len - self.num_prompt_tokens
+            if mt is not None and mt > room:
+                raise ValueError(f"max_tokens: {mt} new tokens after a {self.num_prompt_tokens}-token prompt "
+                                 f"exceed the context of {max_model_len} tokens (at most {room})")
+            mt = room if mt is None else mt
+        if mt is None:
+            raise ValueError("max_tokens: None (until the context is full) needs a known max_model_len")
+        self.max_tokens: int = mt
+        self.stop_reason: int | str | None = None
+        self.output_text = ""
+        self._stop_tokens = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            self._stop_tokens.update(eos_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def check_stop_token(self) -> bool:
+        """After a token is appended: finished by a stop token or the length limit?"""
+        last = self.all_token_ids[-1]
+        if last in self._stop_tokens:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+            return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

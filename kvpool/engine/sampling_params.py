@@ -1,0 +1,55 @@
+"""Sampling parameters of a request, validated up front: a bad value is a ValueError naming the field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    max_tokens: int | None = 16  # None: until the context is full
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"{name}: must be a finite number, got {v!r}")
+            return float(v)
+
+        if number("temperature") < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < number("top_p") <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
+                                            or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
+        if self.n != 1:
+            raise ValueError(f"n: only n=1 is supported, got {self.n!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed: must be an int, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):  # type: ignore[union-attr]
+            raise ValueError("stop: every stop string must be a non-empty string")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: every stop token id must be an int >= 0")
+
+    @classmethod
+    def greedy(cls, max_tokens: int | None = 16, **kw: object) -> SamplingParams:
+        return cls(temperature=0.0, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]

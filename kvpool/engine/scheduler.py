@@ -1,0 +1,166 @@
+"""The scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute.
+
+Each step it first advances running requests (decodes and unfinished prefill chunks) in FCFS order,
+then admits waiting requests while the budget and the KV cache allow. Admission asks the manager for
+the longest cached prefix and computes only the rest. When a running request cannot get a block, the
+most recently admitted running request is preempted: its blocks are freed (they stay cached, so it
+usually re-hits them) and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpool.core.kv_cache_manager import KVCacheManager
+from kvpool.core.swap import SwapPlan
+from kvpool.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start_pos: int  # num_computed_tokens before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    swap_plan: SwapPlan = field(default_factory=SwapPlan)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                 enable_chunked_prefill: bool = True) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be >= 1")
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs: must be >= 1")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already running")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request) -> None:
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.time()
+        scheduled_running: list[Request] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+                scheduled_running.append(req)
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: it was the last running request
+        # Admit waiting requests, unless this step had to preempt (memory is short).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            hit, n_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - n_hit
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(req, num_new, n_hit, hit) is None:
+                break
+            self.waiting.popleft()
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.num_cached_tokens = n_hit
+            req.num_computed_tokens = n_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, n_hit))
+            budget -= num_new
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.start_pos < s.request.num_prompt_tokens:
+                self.stats.num_prompt_tokens += min(s.request.num_prompt_tokens, s.request.num_computed_tokens
+                                                    ) - s.start_pos
+        out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.swap_plan = self.kv.end_schedule_step()
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append sampled tokens; return the requests that got a token (finished ones are freed)."""
+        now = time.time()
+        progressed: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            tok = sampled.get(req.request_id)
+            if tok is None or req.status.finished:
+                continue
+            req.append_output_token_ids(tok)
+            self.stats.num_generation_tokens += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.check_stop_token():
+                self._finish(req, now)
+            progressed.append(req)
+        return progressed
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Stop a request (a stop string matched, or an abort); its blocks are freed at once."""
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return None
+        req.status = status
+        self._finish(req, time.time())
+        return req
+
+    def _finish(self, req: Request, now: float) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.metrics.finished_time = now
+        self.requests.pop(req.request_id, None)

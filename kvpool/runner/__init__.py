@@ -1,0 +1,1 @@
+"""The torch layer: paged KV tensors, attention over block tables, models, weights, sampling."""

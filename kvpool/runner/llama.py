@@ -1,0 +1,176 @@
+"""A Llama-family decoder (Llama, SmolLM2, Mistral-style GQA) written against the paged KV cache.
+
+RMSNorm, rotary embeddings, grouped-query attention through `paged_attention`, SwiGLU MLP, optional
+tied embeddings. q/k/v and gate/up projections are fused at load time: one matmul each instead of
+three and two. Weight names are the Hugging Face ones, so a transformers checkpoint loads as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.runner.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArch:
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.hidden_act: {act!r} is not supported (silu only)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config.rope_parameters: rope_type {rope_type!r} is not supported yet")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalised in fp32, as transformers does, whatever the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float, max_position: int) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, head_dim), rotated by half (the Hugging Face convention)."""
+        cos = self.cos[positions].to(x.dtype)[:, None, :]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArch) -> None:
+        super().__init__()
+        self.a = a
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.scale = a.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        a = self.a
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = rotary(q.view(t, a.num_heads, a.head_dim), positions)
+        k = rotary(k.view(t, a.num_kv_heads, a.head_dim), positions)
+        v = v.reshape(t, a.num_kv_heads, a.head_dim)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        x = x + self.o_proj(o.reshape(t, self.q_size))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size,
+                                                                        bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        for name, w in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("lm_head.") and self.lm_head is None:
+                continue  # tied: the embedding serves
+            parts = name.split(".")
+            target = name
+            if len(parts) >= 4 and parts[-2] in fused:
+                base, idx = fused[parts[-2]]
+                target = ".".join([*parts[:2], base, parts[-1]])
+                slot = pending.setdefault(target, {})
+                slot[str(idx)] = w
+                n_parts = 3 if base == "qkv_proj" else 2
+                if len(slot) < n_parts:
+                    continue
+                w = torch.cat([slot[str(i)] for i in range(n_parts)], dim=0)
+                del pending[target]
+            target = target.replace("self_attn.", "").replace("mlp.", "")
+            if target not in params:
+                raise ValueError(f"weights: unexpected tensor {name!r}")
+            p = params[target]
+            if p.shape != w.shape:
+                raise ValueError(f"weights: {name!r} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(w.to(p.dtype))
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"weights: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -1,0 +1,181 @@
+"""The model runner: owns the model and the paged KV tensors, and executes one engine step.
+
+A step is a list of `SeqStep`s (which tokens of which request to compute, at which positions, into
+which blocks). The runner executes the step's swap plan first (see `kvpool.core.swap`), builds the
+slot mapping and block tables, runs the forward pass once over every token of the step, and samples
+the sequences that reached their last known token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpool.core.swap import SwapPlan
+from kvpool.runner.attention import AttentionMetadata, PrefillSeq, build_decode_mask
+from kvpool.runner.llama import LlamaArch, LlamaForCausalLM
+from kvpool.runner.sampler import SamplingLike, sample
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype: {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class SeqStep:
+    req_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's block table
+    sample: bool  # this chunk ends at the request's last known token: sample the next one
+    sampling: SamplingLike | None = None
+    generator: torch.Generator | None = None
+
+
+def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
+    from safetensors import safe_open
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    mtype = cfg.get("model_type")
+    if mtype not in SUPPORTED_ARCHS:
+        raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and mtype != "llama":
+        if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+            raise ValueError("model: sliding-window attention needs the hybrid allocator (not yet supported)")
+    arch = LlamaArch.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    model = model.to_empty(device=device)
+    model.rotary.__init__(arch.head_dim, arch.rope_theta, arch.max_position)  # buffers lost on meta
+    model.rotary.to(device)
+
+    def tensors():
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, st.get_tensor(name)
+
+    model.load_weights(tensors())
+    model.to(dtype)
+    model.rotary.to(torch.float32)  # the angle tables stay fp32; cast per use
+    model.eval()
+    return model, cfg
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, *, dtype: str = "bfloat16", block_size: int = 16,
+                 kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None
+                 ) -> None:
+        self.device = torch.device(device) if device else default_device()
+        self.dtype = resolve_dtype(dtype)
+        t0 = time.perf_counter()
+        self.model, self.hf_config = load_llama(model_dir, self.dtype, self.device)
+        arch = self.model.arch
+        self.arch = arch
+        self.block_size = block_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.bytes_per_block = 2 * block_size * arch.num_kv_heads * arch.head_dim * elem * arch.num_layers
+        if num_blocks is None:
+            num_blocks = kv_cache_memory // self.bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory: {kv_cache_memory} bytes hold {num_blocks} blocks of "
+                             f"{self.bytes_per_block} bytes; at least 2 are needed")
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(arch.num_layers)]
+        self.num_tokens_computed = 0
+        log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
+                 model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
+                 num_blocks * self.bytes_per_block / 2**20)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.arch.max_position
+
+    def _metadata(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata for a step; decodes must come first."""
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos_chunks: list[torch.Tensor] = []
+        slot_chunks: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        t = 0
+        for s in steps:
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            end = s.start_pos + n
+            if -(-end // bs) > len(s.block_ids):
+                raise ValueError(f"{s.req_id}: block table too short for {end} tokens")
+            pos = torch.arange(s.start_pos, end, dtype=torch.long)
+            table = torch.tensor(s.block_ids, dtype=torch.long)
+            pos_chunks.append(pos)
+            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            if n == 1 and not prefills:
+                decode_tables.append(s.block_ids)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(t, t + n, end, table[: -(-end // bs)].to(dev)))
+            t += n
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), prefills=prefills)
+        if decode_tables:
+            width = max(len(b) for b in decode_tables)
+            padded = [b + [0] * (width - len(b)) for b in decode_tables]
+            meta.num_decodes = len(decode_tables)
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            build_decode_mask(meta, bs)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), meta)
+
+    def execute_swaps(self, plan: SwapPlan | None) -> None:
+        if plan:
+            raise NotImplementedError("swap plans need the host KV tier, which this runner does not have")
+
+    @torch.inference_mode()
+    def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:
+        """Run one forward over all scheduled tokens; return the sampled token of each finishing chunk.
+
+        The step's swap plan runs first: the forward may read blocks it copies in.
+        """
+        self.execute_swaps(swap_plan)
+        if not steps:
+            return {}
+        # Single-token decodes first: they attend in one batched call.
+        steps = sorted(steps, key=lambda s: len(s.token_ids) != 1)
+        input_ids, positions, meta = self._metadata(steps)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.num_tokens_computed += int(input_ids.shape[0])
+        rows, want = [], []
+        t = 0
+        for s in steps:
+            t += len(s.token_ids)
+            if s.sample:
+                rows.append(t - 1)
+                want.append(s)
+        if not want:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        params = [s.sampling for s in want]
+        tokens = sample(logits, params, [s.generator for s in want])  # type: ignore[arg-type]
+        return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}

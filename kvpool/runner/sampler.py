@@ -1,0 +1,38 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class SamplingLike(Protocol):
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+def sample(logits: torch.Tensor, params: list[SamplingLike],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id)."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for i, p in enumerate(params):
+        if p.temperature <= 0.0:
+            out.append(greedy[i])
+            continue
+        row = logits[i] / p.temperature
+        if 0 < p.top_k < row.shape[0]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            cum = sorted_p.cumsum(0)
+            # Keep the smallest set whose mass reaches top_p (the first token always stays).
+            drop = cum - sorted_p > p.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+    return out
