@@ -1,14 +1,50 @@
-"""The `kvpool` command line: `kvpool bench manager ...` (more subcommands join as layers land)."""
+"""The `kvpool` command line: `generate` text with a model, and `bench` the cache and the engine."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from typing import Any
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size: bytes, or e.g. 2GiB, 512MiB")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--hash-algo", default="sha256", choices=["sha256", "xxh3_128"])
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=a.model, dtype=a.dtype, device=a.device, kv_cache_memory=a.kv_cache_memory,
+                block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
+                hash_algo=a.hash_algo, max_num_batched_tokens=a.max_num_batched_tokens,
+                max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="kvpool: an LLM engine built around its KV cache")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = p.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for a prompt")
+    gen.add_argument("prompt", nargs="+", help="the prompt (several: one completion each)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_engine_arguments(gen)
+
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kvpool.bench import manager
@@ -17,10 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_generate(a: argparse.Namespace) -> None:
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                            seed=a.seed, stop=a.stop)
+    llm = LLM(**engine_kwargs(a))
+    chat = not a.raw and getattr(llm.tokenizer, "chat_template", None)
+    if chat:
+        outs = llm.chat([[{"role": "user", "content": q}] for q in a.prompt], params, use_tqdm=False)
+    else:
+        outs = llm.generate(a.prompt, params, use_tqdm=False)
+    for q, o in zip(a.prompt, outs, strict=True):
+        if len(a.prompt) > 1:
+            print(f"### {q}")
+        print(o.text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "bench" and args.bench == "manager":
+        if args.command == "generate":
+            cmd_generate(args)
+        elif args.command == "bench" and args.bench == "manager":
             from kvpool.bench import manager
 
             manager.run(args)

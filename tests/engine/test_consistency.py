@@ -1,0 +1,85 @@
+"""The same greedy tokens whatever the cache does: prefix caching on or off, any chunk size, a pool
+small enough to preempt, batched or one at a time. Tiny random-weight Llama, fp32."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from conftest import TINY_VOCAB, hf_greedy
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+
+N_NEW = 20
+
+
+def shared_prefix_prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(TINY_VOCAB) for _ in range(40)] for _ in range(2)]
+    return [systems[i % 2] + [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 30))] for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path) -> list[list[int]]:
+    return hf_greedy(tiny_llama_dir, shared_prefix_prompts(), N_NEW)
+
+
+def run(model: Path, prompts: list[list[int]], **kw: object) -> tuple[list[list[int]], LLM]:
+    kw = {"num_blocks": 256, **kw}
+    llm = LLM(str(model), dtype="float32", skip_tokenizer_init=True, block_size=4, **kw)  # type: ignore[arg-type]
+    outs = llm.generate(prompts, SamplingParams.greedy(N_NEW), use_tqdm=False)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.get_num_free_blocks() == llm.engine.kv.block_pool.num_usable_blocks
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("budget", [2048, 16, 5])
+def test_caching_and_chunk_sizes(tiny_llama_dir: Path, expected: list[list[int]], caching: bool,
+                                 budget: int) -> None:
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), enable_prefix_caching=caching,
+                   max_num_batched_tokens=budget)
+    assert got == expected
+    if caching:
+        assert llm.engine.kv.stats.hits > 0
+
+
+def test_pool_small_enough_to_preempt(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
+    # 10 requests of up to 90 tokens in 40 blocks of 4: they cannot all run at once.
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), num_blocks=41)
+    assert got == expected
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_preemption_without_caching(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), num_blocks=41, enable_prefix_caching=False,
+                   max_num_batched_tokens=7)
+    assert got == expected
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_batched_equals_one_at_a_time(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=256)
+    singles = [llm.generate([p], SamplingParams.greedy(N_NEW), use_tqdm=False)[0].token_ids
+               for p in shared_prefix_prompts()]
+    assert singles == expected
+
+
+def test_prefix_cache_skips_the_cached_tokens(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=256)
+    rng = random.Random(5)
+    shared = [rng.randrange(TINY_VOCAB) for _ in range(64)]
+    first = llm.generate([[*shared, 1, 2, 3]], SamplingParams.greedy(5), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    ran = llm.engine.runner.num_tokens_computed
+    # 67 prompt tokens + 4 decode steps (the 5th token is sampled, never fed back).
+    assert ran == 67 + 4
+    second = llm.generate([[*shared, 9, 8, 7, 6, 5]], SamplingParams.greedy(5), use_tqdm=False)[0]
+    assert second.num_cached_tokens == 64
+    assert llm.engine.runner.num_tokens_computed - ran == (69 - 64) + 4
+    fresh = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=256,
+                enable_prefix_caching=False)
+    assert fresh.generate([[*shared, 9, 8, 7, 6, 5]], SamplingParams.greedy(5),
+                          use_tqdm=False)[0].token_ids == second.token_ids
