@@ -1,9 +1,15 @@
 """Paged attention: K/V written through a slot mapping, read back through block tables.
 
 `paged_attention` is the one attention op every model calls, so a fused GPU kernel can replace it
-without touching a model. The CPU path gathers each sequence's blocks and runs PyTorch's
-scaled-dot-product attention: decodes (one query token each) in one padded, masked batch; prefill
-chunks one sequence at a time with a causal mask offset by the cached context.
+without touching a model. The cache of one layer is `(kv_heads, num_blocks, block_size, head_dim)`:
+gathering a sequence's blocks for one head then yields its keys contiguously.
+
+Cascade attention over shared prefixes: sequences whose block tables start with the same physical
+blocks (a prefix hit makes them share) attend to that prefix together, in one kernel call whose keys
+are read once for the whole group, instead of once per sequence. Each sequence then attends to the
+rest of its context (its suffix) alone, and the two partial results are merged exactly through their
+log-sum-exp. On the shared-prefix workloads prefix caching is for, this removes most of the memory
+traffic of decoding.
 """
 
 from __future__ import annotations
@@ -11,15 +17,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+# Below this many shared tokens a cascade costs more than it saves.
+MIN_CASCADE_TOKENS = 64
 
 
 @dataclass
-class PrefillSeq:
-    q_start: int  # rows of this sequence's chunk in the step's token batch: [q_start, q_end)
+class SeqAttn:
+    q_start: int  # rows of this sequence's queries in the step's token batch: [q_start, q_end)
     q_end: int
-    context_len: int  # tokens in the cache once this chunk is written, the chunk included
+    context_len: int  # tokens in the cache once this step's tokens are written (queries included)
     block_ids: torch.Tensor  # (ceil(context_len / block_size),) long
+    prefix_len: int = 0  # leading tokens attended through its cascade group (0: none)
+
+    @property
+    def num_queries(self) -> int:
+        return self.q_end - self.q_start
+
+
+@dataclass
+class CascadeGroup:
+    prefix_len: int  # tokens shared by every member, a whole number of blocks
+    prefix_block_ids: torch.Tensor
+    members: list[int]  # indices into AttentionMetadata.seqs
+    rows: torch.Tensor  # the members' query rows, in member order
 
 
 @dataclass
@@ -27,26 +50,143 @@ class AttentionMetadata:
     """Where each token of the step goes in the cache and what each sequence attends to."""
 
     slot_mapping: torch.Tensor  # (T,) long: block_id * block_size + offset for every token
-    num_decodes: int = 0  # the first num_decodes tokens are single-token decodes, one per sequence
-    decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) long, padded with 0
-    decode_seq_lens: torch.Tensor | None = None  # (num_decodes,) context length incl. the new token
-    prefills: list[PrefillSeq] = field(default_factory=list)
-    decode_mask: torch.Tensor | None = None  # built once per step, shared by every layer
+    seqs: list[SeqAttn] = field(default_factory=list)
+    groups: list[CascadeGroup] = field(default_factory=list)
+    # Single-query sequences, batched for their suffix: built once per step, shared by every layer.
+    decode_seqs: list[int] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None  # (B,) query rows
+    decode_tables: torch.Tensor | None = None  # (B, W) suffix block ids, padded with block 0
+    decode_mask: torch.Tensor | None = None  # (B, W * block_size) True where a key is visible
 
 
-def build_decode_mask(meta: AttentionMetadata, block_size: int) -> None:
-    if meta.num_decodes and meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
-        max_len = meta.decode_block_tables.shape[1] * block_size
-        pos = torch.arange(max_len, device=meta.decode_seq_lens.device)
-        meta.decode_mask = (pos[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
+def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MIN_CASCADE_TOKENS) -> None:
+    """Group sequences sharing leading physical blocks; set each member's `prefix_len`.
+
+    A member's queries must all lie after the shared prefix, so the prefix is fully visible to them.
+    """
+    by_first: dict[int, list[int]] = {}
+    for i, s in enumerate(meta.seqs):
+        if s.context_len - s.num_queries >= min_tokens and len(s.block_ids):
+            by_first.setdefault(int(s.block_ids[0]), []).append(i)
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        tables = [meta.seqs[i].block_ids for i in members]
+        # Shared blocks: common to every member, and before every member's first query.
+        limit = min((meta.seqs[i].context_len - meta.seqs[i].num_queries) // block_size for i in members)
+        limit = min(limit, *(len(t) for t in tables))
+        first = tables[0][:limit]
+        n = limit
+        for t in tables[1:]:
+            diff = (t[:n] != first[:n]).nonzero()
+            if len(diff):
+                n = int(diff[0])
+        if n * block_size < min_tokens:
+            continue
+        for i in members:
+            meta.seqs[i].prefix_len = n * block_size
+        rows = torch.cat([torch.arange(meta.seqs[i].q_start, meta.seqs[i].q_end) for i in members])
+        meta.groups.append(CascadeGroup(n * block_size, first[:n].clone(), members,
+                                        rows.to(meta.slot_mapping.device)))
+
+
+def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
+    """Batch the single-query sequences' suffixes (context after their cascade prefix)."""
+    idx = [i for i, s in enumerate(meta.seqs) if s.num_queries == 1]
+    if not idx:
+        return
+    dev = meta.slot_mapping.device
+    tables = []
+    lens = []
+    for i in idx:
+        s = meta.seqs[i]
+        first = s.prefix_len // block_size
+        tables.append(s.block_ids[first: -(-s.context_len // block_size)])
+        lens.append(s.context_len - s.prefix_len)
+    width = max(len(t) for t in tables)
+    padded = torch.zeros(len(idx), width, dtype=torch.long, device=dev)
+    for j, t in enumerate(tables):
+        padded[j, :len(t)] = t
+    pos = torch.arange(width * block_size, device=dev)
+    meta.decode_seqs = idx
+    meta.decode_rows = torch.tensor([meta.seqs[i].q_start for i in idx], dtype=torch.long, device=dev)
+    meta.decode_tables = padded
+    meta.decode_mask = pos[None, :] < torch.tensor(lens, device=dev)[:, None]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the step's K/V at their slots (caches: (num_blocks, block_size, kv_heads, head_dim))."""
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
+    """Store the step's K/V (T, kv_heads, head_dim) at their slots."""
+    h, nb, bs, d = k_cache.shape
+    k_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, n * block_size, head_dim): the keys (or values) of the given blocks, in order."""
+    h, nb, bs, d = cache.shape
+    # index_select copies whole blocks; advanced indexing is several times slower on the CPU.
+    return cache.view(h, nb, bs * d).index_select(1, block_ids.reshape(-1)).view(h, -1, d)
+
+
+def _fold(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(n, heads, d) -> (1, kv_heads, group * n, d): a kv head's query heads become extra rows."""
+    n, h, d = q.shape
+    return q.view(n, hkv, h // hkv, d).permute(1, 2, 0, 3).reshape(1, hkv, -1, d)
+
+
+def _unfold(o: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of _fold for outputs (1, kv_heads, group * n, d) -> (n, heads, d); LSE too."""
+    hkv = o.shape[1]
+    if o.dim() == 3:  # lse: (1, kv_heads, group * n)
+        return o.view(hkv, -1, n).permute(2, 0, 1).reshape(n, -1)
+    d = o.shape[-1]
+    return o.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
+
+
+def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries (n, heads, d) over keys (kv_heads, L, d): outputs (n, heads, d) and LSE (n, heads)."""
+    n, h, _ = q.shape
+    hkv = k.shape[0]
+    qf = _fold(q, hkv)
+    if causal:
+        assert mask is None and h == hkv
+        o, lse = _flash(qf, k[None], v[None], 0.0, True, scale=scale)[:2]
+    elif mask is not None:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        o, lse = _flash(qf, k[None], v[None], 0.0, False, attn_mask=bias.repeat(h // hkv, 1), scale=scale)[:2]
+    else:
+        o, lse = _flash(qf, k[None], v[None], 0.0, False, scale=scale)[:2]
+    return _unfold(o, n), _unfold(lse, n)
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets from their outputs and log-sum-exps."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return o1.float() * w1 + o2.float() * w2, lse
+
+
+def _decode_suffix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single queries over their own (post-prefix) context: outputs (B, heads, d) fp32, LSE (B, heads)."""
+    tables, mask, rows = meta.decode_tables, meta.decode_mask, meta.decode_rows
+    assert tables is not None and mask is not None and rows is not None
+    b, w = tables.shape
+    hkv, _, bs, d = k_cache.shape
+    qq = q[rows].float()
+    h = qq.shape[1]
+    kk = gather_blocks(k_cache, tables).view(hkv, b, w * bs, d).float()  # (Hkv, B, L, d)
+    vv = gather_blocks(v_cache, tables).view(hkv, b, w * bs, d).float()
+    qk = qq.view(b, hkv, h // hkv, d).transpose(0, 1)  # (Hkv, B, G, d)
+    s = torch.matmul(qk, kk.transpose(-1, -2)) * scale  # (Hkv, B, G, L)
+    s.masked_fill_(~mask[None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (Hkv, B, G)
+    o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vv)  # (Hkv, B, G, d)
+    return o.transpose(0, 1).reshape(b, h, d), lse.transpose(0, 1).reshape(b, h)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -57,32 +197,48 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     another sequence of the same step computes (a prefix hit on blocks cached at allocation time).
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    nb, bs, hkv, d = k_cache.shape
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        tables = meta.decode_block_tables
-        assert tables is not None and meta.decode_mask is not None
-        kk = k_cache[tables].view(nd, -1, hkv, d).transpose(1, 2)
-        vv = v_cache[tables].view(nd, -1, hkv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kk, vv, attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
-    for p in meta.prefills:
-        ql = p.q_end - p.q_start
-        qp = q[p.q_start:p.q_end].transpose(0, 1)
-        if ql == p.context_len:
-            # No cached context: attend to the chunk's own K/V, as computed.
-            kk = k[p.q_start:p.q_end].transpose(0, 1)
-            vv = v[p.q_start:p.q_end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+    grouped = bool(meta.groups)
+    acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if grouped else None
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if grouped else None
+    if meta.decode_seqs:
+        o, l_ = _decode_suffix(q, k_cache, v_cache, meta, scale)
+        rows = meta.decode_rows
+        assert rows is not None
+        out[rows] = o.to(q.dtype)  # rows in a cascade group are overwritten by the merge below
+        if grouped:
+            acc[rows] = o  # type: ignore[index]
+            lse[rows] = l_  # type: ignore[index]
+    for s in meta.seqs:
+        ql = s.num_queries
+        if ql == 1:
+            continue
+        qs = q[s.q_start:s.q_end]
+        if s.context_len == ql:
+            # No cached context: causal attention over the chunk's own K/V, as computed.
+            kk = k[s.q_start:s.q_end].transpose(0, 1)
+            vv = v[s.q_start:s.q_end].transpose(0, 1)
+            if kk.shape[0] != q.shape[1]:
+                g = q.shape[1] // kk.shape[0]
+                kk, vv = kk.repeat_interleave(g, 0), vv.repeat_interleave(g, 0)
+            o, l_ = _flash_lse(qs, kk, vv, scale, causal=True)
         else:
-            kk = k_cache[p.block_ids].view(-1, hkv, d)[:p.context_len].transpose(0, 1)
-            vv = v_cache[p.block_ids].view(-1, hkv, d)[:p.context_len].transpose(0, 1)
+            first = s.prefix_len // k_cache.shape[2]
+            kk = gather_blocks(k_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
+            vv = gather_blocks(v_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
             # Query i sits at position context_len - ql + i and sees keys up to there.
-            offset = p.context_len - ql
-            qi = torch.arange(ql, device=q.device)[:, None] + offset
-            kj = torch.arange(p.context_len, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=kj <= qi, scale=scale, enable_gqa=True)
-        out[p.q_start:p.q_end] = o.transpose(0, 1)
+            qi = torch.arange(ql, device=q.device)[:, None] + (s.context_len - ql - s.prefix_len)
+            kj = torch.arange(kk.shape[1], device=q.device)[None, :]
+            o, l_ = _flash_lse(qs, kk, vv, scale, mask=kj <= qi)
+        if grouped and s.prefix_len:
+            acc[s.q_start:s.q_end] = o.float()  # type: ignore[index]
+            lse[s.q_start:s.q_end] = l_  # type: ignore[index]
+        else:
+            out[s.q_start:s.q_end] = o
+    for g in meta.groups:
+        kp = gather_blocks(k_cache, g.prefix_block_ids)
+        vp = gather_blocks(v_cache, g.prefix_block_ids)
+        o_p, l_p = _flash_lse(q[g.rows], kp, vp, scale)
+        merged, _ = _merge(acc[g.rows], lse[g.rows], o_p, l_p)  # type: ignore[index]
+        out[g.rows] = merged.to(q.dtype)
     return out

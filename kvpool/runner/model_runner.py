@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvpool.core.swap import SwapPlan
-from kvpool.runner.attention import AttentionMetadata, PrefillSeq, build_decode_mask
+from kvpool.runner.attention import AttentionMetadata, SeqAttn, plan_cascades, plan_decode_batch
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM
 from kvpool.runner.sampler import SamplingLike, sample
 
@@ -81,8 +81,9 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
 
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "bfloat16", block_size: int = 16,
-                 kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None
-                 ) -> None:
+                 kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
+                 enable_cascade: bool = True) -> None:
+        self.enable_cascade = enable_cascade
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype)
         t0 = time.perf_counter()
@@ -98,11 +99,13 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory: {kv_cache_memory} bytes hold {num_blocks} blocks of "
                              f"{self.bytes_per_block} bytes; at least 2 are needed")
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # (kv_heads, blocks, block_size, head_dim): one head's keys of a block table gather contiguously.
+        shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(arch.num_layers)]
         self.num_tokens_computed = 0
+        self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
                  num_blocks * self.bytes_per_block / 2**20)
@@ -112,40 +115,32 @@ class ModelRunner:
         return self.arch.max_position
 
     def _metadata(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata for a step; decodes must come first."""
+        """Token ids, positions and attention metadata for a step."""
         bs = self.block_size
         dev = self.device
         ids: list[int] = []
         pos_chunks: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
+        seqs: list[SeqAttn] = []
         t = 0
         for s in steps:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
             end = s.start_pos + n
-            if -(-end // bs) > len(s.block_ids):
+            n_blocks = -(-end // bs)
+            if n_blocks > len(s.block_ids):
                 raise ValueError(f"{s.req_id}: block table too short for {end} tokens")
             pos = torch.arange(s.start_pos, end, dtype=torch.long)
-            table = torch.tensor(s.block_ids, dtype=torch.long)
+            table = torch.tensor(s.block_ids[:n_blocks], dtype=torch.long)
             pos_chunks.append(pos)
             slot_chunks.append(table[pos // bs] * bs + pos % bs)
-            if n == 1 and not prefills:
-                decode_tables.append(s.block_ids)
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillSeq(t, t + n, end, table[: -(-end // bs)].to(dev)))
+            seqs.append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), prefills=prefills)
-        if decode_tables:
-            width = max(len(b) for b in decode_tables)
-            padded = [b + [0] * (width - len(b)) for b in decode_tables]
-            meta.num_decodes = len(decode_tables)
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            build_decode_mask(meta, bs)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), seqs=seqs)
+        if self.enable_cascade:
+            plan_cascades(meta, bs)
+            self.num_cascade_steps += bool(meta.groups)
+        plan_decode_batch(meta, bs)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), meta)
 
     def execute_swaps(self, plan: SwapPlan | None) -> None:
@@ -161,8 +156,6 @@ class ModelRunner:
         self.execute_swaps(swap_plan)
         if not steps:
             return {}
-        # Single-token decodes first: they attend in one batched call.
-        steps = sorted(steps, key=lambda s: len(s.token_ids) != 1)
         input_ids, positions, meta = self._metadata(steps)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self.num_tokens_computed += int(input_ids.shape[0])

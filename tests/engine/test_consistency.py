@@ -17,7 +17,8 @@ N_NEW = 20
 
 def shared_prefix_prompts(seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
-    systems = [[rng.randrange(TINY_VOCAB) for _ in range(40)] for _ in range(2)]
+    # 72 shared tokens: long enough for the runner's cascade attention over shared prefixes.
+    systems = [[rng.randrange(TINY_VOCAB) for _ in range(72)] for _ in range(2)]
     return [systems[i % 2] + [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 30))] for i in range(10)]
 
 
@@ -47,17 +48,23 @@ def test_caching_and_chunk_sizes(tiny_llama_dir: Path, expected: list[list[int]]
 
 
 def test_pool_small_enough_to_preempt(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
-    # 10 requests of up to 90 tokens in 40 blocks of 4: they cannot all run at once.
-    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), num_blocks=41)
+    # 10 requests of up to 121 tokens in 46 blocks of 4: running ones outgrow the pool as they decode.
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), num_blocks=47)
     assert got == expected
     assert llm.engine.scheduler.stats.num_preemptions > 0
 
 
 def test_preemption_without_caching(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
-    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), num_blocks=41, enable_prefix_caching=False,
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), num_blocks=47, enable_prefix_caching=False,
                    max_num_batched_tokens=7)
     assert got == expected
     assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_cascade_attention_on_and_off(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts())
+    assert llm.engine.runner.enable_cascade and llm.engine.runner.num_cascade_steps > 0
+    assert got == expected
 
 
 def test_batched_equals_one_at_a_time(tiny_llama_dir: Path, expected: list[list[int]]) -> None:

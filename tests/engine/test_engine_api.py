@@ -1,0 +1,90 @@
+"""The engine's user-facing behaviour: validation, stop conditions, seeds, aborts (tiny Llama)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpool.engine.config import parse_size
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=64, block_size=4)
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(n=2), "n"),
+    (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_bad_sampling_params_name_the_field(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kw)
+
+
+def test_bad_prompts(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[1, 2, 999]], use_tqdm=False)  # beyond the vocabulary
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate("text", use_tqdm=False)  # no tokenizer
+    ctx = llm.engine.max_model_len
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[1] * 10], SamplingParams.greedy(ctx), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[1] * ctx], use_tqdm=False)
+    # A bad prompt in a batch rejects it whole, without leaking the good ones' blocks.
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, 3], [5000]], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.usage == 0
+
+
+def test_max_tokens_and_stop_token_ids(llm: LLM) -> None:
+    base = llm.generate([[5, 6, 7]], SamplingParams.greedy(12), use_tqdm=False)[0]
+    assert len(base.token_ids) == 12 and base.outputs[0].finish_reason == "length"
+    stop_tok = base.token_ids[4]
+    first = base.token_ids.index(stop_tok)
+    out = llm.generate([[5, 6, 7]], SamplingParams.greedy(12, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+
+
+def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234)
+    a = llm.generate([[1, 2, 3]], p, use_tqdm=False)[0].token_ids
+    b = llm.generate([[1, 2, 3]], p, use_tqdm=False)[0].token_ids
+    c = llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=16, seed=99),
+                     use_tqdm=False)[0].token_ids
+    assert a == b and a != c
+
+
+def test_abort_frees_everything(llm: LLM) -> None:
+    eng = llm.engine
+    r1 = eng.add_request([1, 2, 3, 4, 5, 6], SamplingParams.greedy(30))
+    r2 = eng.add_request([9, 9, 9], SamplingParams.greedy(30))
+    eng.step()
+    eng.step()
+    assert eng.kv.usage > 0
+    assert eng.abort_request(r1.request_id) is True
+    assert eng.abort_request(r1.request_id) is False
+    assert eng.abort_request(r2.request_id) is True
+    assert not eng.has_unfinished_requests() and eng.kv.usage == 0
+    eng.kv.check_integrity()
+
+
+def test_parse_size() -> None:
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size(1.5) == int(1.5 * (1 << 30))
+    assert parse_size("1073741824") == 1 << 30
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_size(0)
