@@ -5,3 +5,16 @@ lazily so that `import kvpool` stays cheap.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # `from kvpool import LLM, SamplingParams` without importing torch for users of the core alone.
+    if name == "LLM":
+        from kvpool.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from kvpool.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -47,9 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from kvpool.bench import manager
+    from kvpool.bench import manager, prefix
 
     manager.add_arguments(bsub.add_parser("manager", help="replay a trace through the cache manager alone"))
+    bp = bsub.add_parser("prefix", help="shared-prefix workload: kvpool with/without caching vs transformers")
+    prefix.add_arguments(bp)
+    add_engine_arguments(bp)
     return p
 
 
@@ -82,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvpool.bench import manager
 
             manager.run(args)
+        elif args.command == "bench" and args.bench == "prefix":
+            from kvpool.bench import prefix
+
+            prefix.run(args, engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"kvpool: error: {e}", file=sys.stderr)
         return 2

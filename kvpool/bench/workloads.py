@@ -75,3 +75,25 @@ def _multi_turn(rng: random.Random, n_conv: int, turns: int, system_len: int, us
         yield TraceRequest(id=f"c{c}-t{done[c]}", prompt=list(history[c]), decode=answer)
         history[c] += answer
         done[c] += 1
+
+
+def generated_shared_prefix(groups: int = 8, system_len: int = 1024, questions: int = 8,
+                            question_len: int = 64, *, seed: int = 0, token_range: tuple[int, int] = (1000, 40000),
+                            shared: bool = True) -> list[list[int]]:
+    """SGLang's generated-shared-prefix shape: per group one system prompt, then its questions.
+
+    Prompts are ordered group by group. With shared=False every prompt gets its own system prompt of
+    the same length: the same work with nothing to reuse (the control for caching's overhead).
+    """
+    rng = random.Random(seed)
+    lo, hi = token_range
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(lo, hi) for _ in range(n)]
+
+    prompts = []
+    for _ in range(groups):
+        system = toks(system_len)
+        for _ in range(questions):
+            prompts.append((system if shared else toks(system_len)) + toks(question_len))
+    return prompts

@@ -43,6 +43,8 @@ class CascadeGroup:
     prefix_block_ids: torch.Tensor
     members: list[int]  # indices into AttentionMetadata.seqs
     rows: torch.Tensor  # the members' query rows, in member order
+    # Blocks allocated in one run are consecutive ids: then the prefix is a view, not a copy.
+    first_block: int | None = None
 
 
 @dataclass
@@ -86,8 +88,11 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
         for i in members:
             meta.seqs[i].prefix_len = n * block_size
         rows = torch.cat([torch.arange(meta.seqs[i].q_start, meta.seqs[i].q_end) for i in members])
-        meta.groups.append(CascadeGroup(n * block_size, first[:n].clone(), members,
-                                        rows.to(meta.slot_mapping.device)))
+        ids = first[:n].clone()
+        start = int(ids[0])
+        run = bool(torch.equal(ids, torch.arange(start, start + n, device=ids.device)))
+        meta.groups.append(CascadeGroup(n * block_size, ids, members, rows.to(meta.slot_mapping.device),
+                                        start if run else None))
 
 
 def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
@@ -236,8 +241,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             out[s.q_start:s.q_end] = o
     for g in meta.groups:
-        kp = gather_blocks(k_cache, g.prefix_block_ids)
-        vp = gather_blocks(v_cache, g.prefix_block_ids)
+        if g.first_block is not None:
+            h, _, bs, d = k_cache.shape
+            end = g.first_block + g.prefix_len // bs
+            kp = k_cache[:, g.first_block:end].reshape(h, -1, d)  # a view: blocks are adjacent
+            vp = v_cache[:, g.first_block:end].reshape(h, -1, d)
+        else:
+            kp = gather_blocks(k_cache, g.prefix_block_ids)
+            vp = gather_blocks(v_cache, g.prefix_block_ids)
         o_p, l_p = _flash_lse(q[g.rows], kp, vp, scale)
         merged, _ = _merge(acc[g.rows], lse[g.rows], o_p, l_p)  # type: ignore[index]
         out[g.rows] = merged.to(q.dtype)

@@ -56,6 +56,29 @@ class LlamaArch:
         )
 
 
+class PackedLinear(nn.Module):
+    """A bf16 linear layer whose weight is reordered once into oneDNN's blocked layout.
+
+    F.linear reorders the weight on every call; packing it up front makes the small-batch (decode)
+    matmuls markedly faster on the CPU. Used only for bf16 on the CPU when oneDNN is present.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+                             persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    return (dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -127,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size,
                                                                         bias=False)
+        self.packed_lm_head: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -136,8 +160,19 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
+
+    def pack_linears(self) -> None:
+        """Swap every projection for its packed form (bf16 on the CPU); the weights stay as loaded."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                lin = getattr(layer, name)
+                setattr(layer, name, PackedLinear(lin.weight, lin.bias))
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = PackedLinear(w, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

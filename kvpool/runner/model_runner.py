@@ -18,7 +18,7 @@ import torch
 
 from kvpool.core.swap import SwapPlan
 from kvpool.runner.attention import AttentionMetadata, SeqAttn, plan_cascades, plan_decode_batch
-from kvpool.runner.llama import LlamaArch, LlamaForCausalLM
+from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
     mtype = cfg.get("model_type")
     if mtype not in SUPPORTED_ARCHS:
         raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and mtype != "llama":
-        if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-            raise ValueError("model: sliding-window attention needs the hybrid allocator (not yet supported)")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window and window < cfg.get("max_position_embeddings", 0):
+        raise ValueError("model: sliding-window attention needs the hybrid allocator (not yet supported)")
     arch = LlamaArch.from_hf_config(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
@@ -76,6 +76,8 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
     model.to(dtype)
     model.rotary.to(torch.float32)  # the angle tables stay fp32; cast per use
     model.eval()
+    if can_pack(dtype, device):
+        model.pack_linears()
     return model, cfg
 
 

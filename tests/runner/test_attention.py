@@ -68,11 +68,12 @@ def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch
 
 SHARED = [1, 2, 3, 4]  # 16 tokens of shared prefix
 CASES = {
-    "decodes sharing a prefix": [(SHARED + [5, 6], 20, 1), (SHARED + [7], 17, 1), (SHARED + [8, 9], 22, 1)],
-    "prefill chunks after a shared prefix": [(SHARED + [5, 6], 16, 6), (SHARED + [7, 8], 18, 5)],
-    "mixed, with an unrelated fresh prefill": [(SHARED + [5, 6], 16, 7), (SHARED + [7], 19, 1),
+    "decodes sharing a prefix": [([*SHARED, 5, 6], 20, 1), ([*SHARED, 7], 17, 1), ([*SHARED, 8, 9], 22, 1)],
+    "prefill chunks after a shared prefix": [([*SHARED, 5, 6], 16, 6), ([*SHARED, 7, 8], 18, 5)],
+    "mixed, with an unrelated fresh prefill": [([*SHARED, 5, 6], 16, 7), ([*SHARED, 7], 19, 1),
                                               ([10, 11, 12], 0, 11), ([13, 14], 7, 1)],
     "members diverging inside the shared blocks": [([1, 2, 3, 5], 14, 1), ([1, 2, 6, 7], 13, 1)],
+    "shared blocks that are not adjacent ids": [([5, 2, 9, 4, 6], 18, 1), ([5, 2, 9, 4, 7], 17, 3)],
 }
 
 
@@ -92,9 +93,12 @@ def test_cascade_groups_take_only_fully_visible_shared_blocks() -> None:
     _, _, meta = run_step(CASES["members diverging inside the shared blocks"], True)
     assert [g.prefix_len for g in meta.groups] == [2 * BS]
     assert [s.prefix_len for s in meta.seqs] == [8, 8]
-    _, _, meta = run_step([(SHARED + [5], 16, 4), (SHARED, 8, 8)], True)
+    _, _, meta = run_step([([*SHARED, 5], 16, 4), (SHARED, 8, 8)], True)
     # The second sequence's queries start at 8: only blocks 1-2 are visible to all of them.
     assert [g.prefix_len for g in meta.groups] == [8]
+    assert meta.groups[0].first_block == 1  # blocks 1, 2: adjacent, read in place
+    _, _, meta = run_step(CASES["shared blocks that are not adjacent ids"], True)
+    assert meta.groups[0].first_block is None and meta.groups[0].prefix_len == 16  # gathered
 
 
 def test_bf16_close_to_dense() -> None:

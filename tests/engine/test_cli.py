@@ -1,0 +1,26 @@
+"""The README's main command: `kvpool generate` on the default model, from the shell."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_generate_default_model(smol_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "generate", "What is the capital of France?",
+                          "--max-tokens", "12", "--kv-cache-memory", "64MiB"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "KV cache:" in out.stderr and "blocks of 16 tokens" in out.stderr
+
+
+def test_generate_reports_bad_input_without_a_traceback(tiny_llama_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "generate", "hi", "--model", "/nonexistent/model"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "kvpool: error: model:" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "generate", "hi", "--max-tokens", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "max_tokens" in out.stderr
