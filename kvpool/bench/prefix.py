@@ -144,7 +144,10 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     if "kvpool" in systems and "kvpool-no-cache" in systems:
         result["ttft_speedup"] = systems["kvpool-no-cache"]["ttft_mean_ms"] / systems["kvpool"]["ttft_mean_ms"]
         result["ttft_speedup_of_ideal"] = result["ttft_speedup"] / ideal
-        result["outputs_identical_cache_on_off"] = outputs["kvpool"] == outputs["kvpool-no-cache"]
+        same = [a == b for a, b in zip(outputs["kvpool"], outputs["kvpool-no-cache"], strict=True)]
+        # Exact in fp32 (the tests); in bf16 a near-tie can flip where the two paths round differently.
+        result["outputs_identical_cache_on_off"] = all(same)
+        result["outputs_identical_fraction"] = sum(same) / len(same)
     if "kvpool" in systems and "transformers" in systems:
         result["throughput_vs_transformers"] = (systems["kvpool"]["output_tokens_per_s"]
                                                 / systems["transformers"]["output_tokens_per_s"])
@@ -156,8 +159,8 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     extra = [f"ideal TTFT speedup 1/(1-hit): {ideal:.2f}"]
     if "ttft_speedup" in result:
         extra.append(f"TTFT speedup cache on vs off: {result['ttft_speedup']:.2f} "
-                     f"({100 * result['ttft_speedup_of_ideal']:.0f}% of ideal); outputs identical: "
-                     f"{result['outputs_identical_cache_on_off']}")
+                     f"({100 * result['ttft_speedup_of_ideal']:.0f}% of ideal); requests with identical outputs: "
+                     f"{100 * result['outputs_identical_fraction']:.0f}%")
     if "throughput_vs_transformers" in result:
         extra.append(f"output throughput vs transformers: {result['throughput_vs_transformers']:.2f}x")
     emit(table + "\n" + "\n".join(extra), result, a.json)
