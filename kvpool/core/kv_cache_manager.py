@@ -13,20 +13,27 @@ from collections.abc import Sequence
 from kvpool.core.block import KVCacheBlock
 from kvpool.core.block_pool import BlockPool, DeviceBlockPool
 from kvpool.core.events import KVCacheEvent
+from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kvpool.core.request import CacheRequest
 from kvpool.core.single_type_manager import SingleTypeKVCacheManager, make_manager
 from kvpool.core.stats import PrefixCacheStats
-from kvpool.core.swap import SwapPlan
+from kvpool.core.swap import SwapPlan, SwapStats
 
 
 class KVCacheBlocks:
-    """Blocks per group: `blocks[g]` is the list for layer group g."""
+    """Blocks per group: `blocks[g]` is the list for layer group g.
 
-    __slots__ = ("blocks",)
+    From a lookup, `host_blocks` are the hits found in the host tier after the device hits: the
+    allocation gives each a device block and schedules the copy.
+    """
 
-    def __init__(self, blocks: tuple[list[KVCacheBlock], ...]) -> None:
+    __slots__ = ("blocks", "host_blocks")
+
+    def __init__(self, blocks: tuple[list[KVCacheBlock], ...], host_blocks: list[KVCacheBlock] | None = None
+                 ) -> None:
         self.blocks = blocks
+        self.host_blocks = host_blocks or []
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -48,6 +55,9 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         specs: Sequence[KVCacheSpec] | None = None,
         block_pool: BlockPool | None = None,
+        num_host_blocks: int = 0,
+        host_eviction: str = "lru",
+        write_through: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
@@ -68,6 +78,20 @@ class KVCacheManager:
         self._interval_stats = PrefixCacheStats()
         self._empty = KVCacheBlocks(tuple([] for _ in self.managers))
         self._swap_plan = SwapPlan()
+        self.swap_stats = SwapStats()
+        self.host_pool: HostBlockPool | None = None
+        self.write_through = write_through
+        if num_host_blocks > 0 and enable_caching:
+            if self.num_groups > 1:
+                raise ValueError("num_host_blocks: the host tier supports one layer group for now")
+            self.host_pool = HostBlockPool(num_host_blocks, eviction=host_eviction,
+                                           enable_kv_events=enable_kv_events)
+            self.block_pool.eviction_listeners.append(self._shelter)
+        # Host blocks taking part in this step's copies, unpinned once the plan is handed out; and
+        # write-through copies, which can only run once this step's forward has computed them.
+        self._pinned_host: list[KVCacheBlock] = []
+        self._next_swap_out: list[tuple[int, int]] = []
+        self._next_pinned_host: list[KVCacheBlock] = []
 
     # -- scheduling API -------------------------------------------------------------------------------
 
@@ -80,8 +104,20 @@ class KVCacheManager:
         max_blocks = (num_tokens - 1) // self.block_size
         if self.num_groups == 1:
             hit = self.managers[0].find_longest_cache_hit(request.block_hashes, max_blocks)
-            num_hit = len(hit) * self.block_size
-            blocks = KVCacheBlocks((hit,))
+            host_hit: list[KVCacheBlock] = []
+            if self.host_pool is not None:
+                # The lookup goes on in the host tier where the device chain stops.
+                hashes = request.block_hashes
+                get = self.host_pool.cached.get
+                for i in range(len(hit), min(max_blocks, len(hashes))):
+                    hb = get(hashes[i])
+                    if hb is None:
+                        break
+                    host_hit.append(hb)
+                self.stats.host_hits += len(host_hit) * self.block_size
+                self._interval_stats.host_hits += len(host_hit) * self.block_size
+            num_hit = (len(hit) + len(host_hit)) * self.block_size
+            blocks = KVCacheBlocks((hit,), host_hit)
         else:
             hits = [m.find_longest_cache_hit(request.block_hashes, max_blocks) for m in self.managers]
             n = min(len(h) for h in hits)
@@ -125,10 +161,15 @@ class KVCacheManager:
                     table.extend(new_blocks)
                 if self.enable_caching and num_tokens // self.block_size > m.num_cached_block[rid]:
                     n_hashed = len(request.block_hashes) * self.block_size
+                    before = m.num_cached_block[rid]
                     m.cache_blocks(request, num_tokens if num_tokens < n_hashed else n_hashed)
+                    if self.write_through and self.host_pool is not None:
+                        self._write_through(table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty.blocks
+        host_hits = new_computed_blocks.host_blocks if new_computed_blocks is not None else []
+        # Host hits need device blocks too: they are among the blocks the token count requires.
         need = 0
         for g, m in enumerate(managers):
             need += m.get_num_blocks_to_allocate(rid, num_slots, hits[g])
@@ -137,12 +178,17 @@ class KVCacheManager:
         new: list[list[KVCacheBlock]] = []
         for g, m in enumerate(managers):
             m.save_new_computed_blocks(rid, hits[g])
+            if host_hits:
+                self._swap_in(rid, m, host_hits)
             new.append(m.allocate_new_blocks(rid, num_slots))
         if self.enable_caching:
             n_hashed = len(request.block_hashes) * self.block_size
             cache_upto = num_tokens if num_tokens < n_hashed else n_hashed
             for m in managers:
+                before = m.num_cached_block[rid]
                 m.cache_blocks(request, cache_upto)
+                if self.write_through and self.host_pool is not None:
+                    self._write_through(m.req_to_blocks[rid][before:m.num_cached_block[rid]])
         return KVCacheBlocks(tuple(new))
 
     def free(self, request: CacheRequest | str) -> None:
@@ -152,9 +198,49 @@ class KVCacheManager:
             m.free(rid)
 
     def end_schedule_step(self) -> SwapPlan:
-        """The copies the runner must execute before this step's forward pass."""
-        plan, self._swap_plan = self._swap_plan, SwapPlan()
+        """The copies the runner must execute before this step's forward pass.
+
+        Swap-outs first (a device block evicted this step may be a swap-in destination of the same
+        step), then swap-ins; both before the forward reads the blocks.
+        """
+        plan = self._swap_plan
+        if self.host_pool is not None:
+            # No allocation happens between here and the copies: the host blocks may be unpinned now.
+            self.host_pool.free_blocks(self._pinned_host)
+            self._pinned_host, self._next_pinned_host = self._next_pinned_host, []
+        self._swap_plan = SwapPlan(swap_out=self._next_swap_out)
+        self._next_swap_out = []
+        self.swap_stats.record(plan)
         return plan
+
+    # -- the host tier ---------------------------------------------------------------------------------
+
+    def _shelter(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Device eviction listener: copy the evicted block's content to the host tier."""
+        assert self.host_pool is not None
+        hb = self.host_pool.shelter(block_hash)
+        if hb is not None:
+            self._swap_plan.swap_out.append((block.block_id, hb.block_id))
+            self._pinned_host.append(hb)
+
+    def _swap_in(self, rid: str, m: SingleTypeKVCacheManager, host_hits: list[KVCacheBlock]) -> None:
+        assert self.host_pool is not None
+        self.host_pool.touch(host_hits)  # pinned: the copies read them before anything reuses them
+        self._pinned_host.extend(host_hits)
+        dst = self.block_pool.get_new_blocks(len(host_hits))
+        m.req_to_blocks[rid].extend(dst)
+        self._swap_plan.swap_in.extend((h.block_id, d.block_id) for h, d in zip(host_hits, dst, strict=True))
+
+    def _write_through(self, blocks: list[KVCacheBlock]) -> None:
+        """Eager mode: copy newly cached blocks to the host tier once they are computed (next plan)."""
+        assert self.host_pool is not None
+        for blk in blocks:
+            if blk.block_hash is None:
+                continue
+            hb = self.host_pool.shelter(blk.block_hash)
+            if hb is not None:
+                self._next_swap_out.append((blk.block_id, hb.block_id))
+                self._next_pinned_host.append(hb)
 
     # -- state and observability ----------------------------------------------------------------------
 
@@ -165,8 +251,12 @@ class KVCacheManager:
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks; refused (False) while any request holds blocks."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget all cached blocks, in every tier; refused (False) while any request holds blocks."""
+        if self.host_pool is not None and (self._pinned_host or self._next_pinned_host):
+            return False
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        return self.host_pool.reset_prefix_cache() if self.host_pool is not None else True
 
     @property
     def usage(self) -> float:
@@ -182,11 +272,19 @@ class KVCacheManager:
         return s
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        events = self.block_pool.take_events()
+        return events + self.host_pool.take_events() if self.host_pool is not None else events
 
     def check_integrity(self) -> None:
         """Assert the block-level invariants, including that each ref count equals its holders."""
         self.block_pool.check_integrity()
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            pins: dict[int, int] = {}
+            for b in self._pinned_host + self._next_pinned_host:
+                pins[b.block_id] = pins.get(b.block_id, 0) + 1
+            for b in self.host_pool.blocks:
+                assert b.ref_cnt == pins.get(b.block_id, 0), f"host block {b.block_id}: pins disagree"
         holders: dict[int, int] = {}
         for m in self.managers:
             for rid, blocks in m.req_to_blocks.items():

@@ -15,3 +15,20 @@ class SwapPlan:
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in)
+
+
+@dataclass(slots=True)
+class SwapStats:
+    """Blocks copied between tiers: in total, and in the last plan handed out."""
+
+    blocks_out: int = 0
+    blocks_in: int = 0
+    last_out: int = 0
+    last_in: int = 0
+    steps_with_swaps: int = 0
+
+    def record(self, plan: SwapPlan) -> None:
+        self.last_out, self.last_in = len(plan.swap_out), len(plan.swap_in)
+        self.blocks_out += self.last_out
+        self.blocks_in += self.last_in
+        self.steps_with_swaps += bool(plan)

@@ -42,6 +42,15 @@ class EngineConfig:
     max_model_len: int | None = None
     skip_tokenizer_init: bool = False
     enable_kv_events: bool = False
+    swap_space: int | str | float = 0  # host KV tier size (bytes, or e.g. '4GiB'); 0 disables it
+    num_host_blocks: int | None = None  # overrides swap_space (tests)
+    host_eviction: str = "lru"  # lru | arc
+    write_through: bool = False  # copy every newly full block to the host tier, not only on eviction
+
+    def swap_space_bytes(self) -> int:
+        if self.swap_space in (0, "0", 0.0, None):
+            return 0
+        return parse_size(self.swap_space, "swap_space")
 
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)

@@ -59,8 +59,14 @@ class LLMEngine:
         capacity = (self.runner.num_blocks - 1) * bs
         self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len,
                                  capacity)
+        num_host = config.num_host_blocks
+        if num_host is None:
+            num_host = self.runner.allocate_host_cache(config.swap_space_bytes())
+        elif num_host:
+            self.runner.allocate_host_cache(num_host * self.runner.bytes_per_block)
         self.kv = KVCacheManager(self.runner.num_blocks, bs, enable_caching=config.enable_prefix_caching,
-                                 enable_kv_events=config.enable_kv_events)
+                                 enable_kv_events=config.enable_kv_events, num_host_blocks=num_host,
+                                 host_eviction=config.host_eviction, write_through=config.write_through)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
                        if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -132,6 +138,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.scheduled:
+            # Copies owed from the last step (write-through) still run: the host tier counts on them.
+            self.runner.execute_swaps(out.swap_plan)
             return []
         sampled = self.runner.execute(self._steps(out), out.swap_plan)
         progressed = self.scheduler.update_from_output(out, sampled)

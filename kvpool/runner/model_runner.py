@@ -108,6 +108,9 @@ class ModelRunner:
                           for _ in range(arch.num_layers)]
         self.num_tokens_computed = 0
         self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
+        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
                  num_blocks * self.bytes_per_block / 2**20)
@@ -145,9 +148,44 @@ class ModelRunner:
         plan_decode_batch(meta, bs)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), meta)
 
+    def allocate_host_cache(self, swap_space: int) -> int:
+        """Host-tier KV tensors of `swap_space` bytes (pinned when a GPU will copy from them)."""
+        n = swap_space // self.bytes_per_block
+        if n < 1:
+            self.host_kv_caches = []
+            return 0
+        pin = self.device.type == "cuda"
+        shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
+        self.host_kv_caches = [(torch.zeros(shape, dtype=self.dtype, pin_memory=pin),
+                                torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
+                               for _ in range(self.arch.num_layers)]
+        log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
+        return n
+
     def execute_swaps(self, plan: SwapPlan | None) -> None:
-        if plan:
-            raise NotImplementedError("swap plans need the host KV tier, which this runner does not have")
+        """Copy blocks between tiers: every swap-out, then every swap-in (a device block evicted this
+        step may be the destination of a swap-in of the same step)."""
+        if not plan:
+            return
+        if not self.host_kv_caches:
+            raise RuntimeError("swap plan given but this runner has no host KV tier")
+        dev = self.device
+        if plan.swap_out:
+            d_ids = torch.tensor([d for d, _ in plan.swap_out], dtype=torch.long, device=dev)
+            h_ids = torch.tensor([h for _, h in plan.swap_out], dtype=torch.long)
+            for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+                hk.index_copy_(1, h_ids, dk.index_select(1, d_ids).to("cpu", non_blocking=True))
+                hv.index_copy_(1, h_ids, dv.index_select(1, d_ids).to("cpu", non_blocking=True))
+        if plan.swap_in:
+            h_ids = torch.tensor([h for h, _ in plan.swap_in], dtype=torch.long)
+            d_ids = torch.tensor([d for _, d in plan.swap_in], dtype=torch.long, device=dev)
+            for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+                dk.index_copy_(1, d_ids, hk.index_select(1, h_ids).to(dev, non_blocking=True))
+                dv.index_copy_(1, d_ids, hv.index_select(1, h_ids).to(dev, non_blocking=True))
+        if dev.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the forward must see the copies
+        self.num_blocks_swapped_out += len(plan.swap_out)
+        self.num_blocks_swapped_in += len(plan.swap_in)
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:

@@ -20,20 +20,36 @@ PREFIXES = [list(range(1000, 1012)), list(range(2000, 2006)), [*range(1000, 1008
 
 
 def snapshot(mgr: KVCacheManager) -> tuple:
-    pool = mgr.block_pool
+    pool, host = mgr.block_pool, mgr.host_pool
     return ([b.ref_cnt for b in pool.blocks], pool.free_block_ids(),
             {h: b.block_id for h, b in pool.cached.items()},
-            {rid: [b.block_id for b in bl] for rid, bl in mgr.managers[0].req_to_blocks.items()})
+            {rid: [b.block_id for b in bl] for rid, bl in mgr.managers[0].req_to_blocks.items()},
+            None if host is None else ([b.ref_cnt for b in host.blocks], host.free_block_ids(),
+                                       {h: b.block_id for h, b in host.cached.items()}),
+            (list(mgr._swap_plan.swap_out), list(mgr._swap_plan.swap_in)))
 
 
 class PoolMachine(RuleBasedStateMachine):
+    """Engine-shaped steps: requests are scheduled (admitted, or advanced by a chunk or a decoded
+    token) at most once per step, finished only between steps, and `end_step` runs the step's swap
+    plan and forward on a content model, so a block labelled with a hash must really hold it."""
+
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_blocks=12, block_size=BS)
+
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(num_blocks=12, block_size=BS)
+        self.mgr = self.make_manager()
         self.hasher = BlockHasher(BS)
         self.waiting: list[CacheRequest] = []
         self.running: dict[str, CacheRequest] = {}
+        self.scheduled: dict[str, tuple[int, int]] = {}  # this step: token range each request computes
+        self.dev: dict[int, object] = {}  # what each device block holds once the step has run
+        self.host: dict[int, object] = {}
         self.n = 0
+
+    def idle(self) -> list[str]:
+        return sorted(r for r in self.running if r not in self.scheduled)
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES) + 1)),
           suffix=st.lists(st.integers(0, 9), min_size=0, max_size=14))
@@ -59,11 +75,12 @@ class PoolMachine(RuleBasedStateMachine):
         req.num_computed_tokens = n_hit + num_new
         self.waiting.pop(0)
         self.running[req.request_id] = req
+        self.scheduled[req.request_id] = (n_hit, n_hit + num_new)
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: self.idle())
     @rule(data=st.data(), token=st.integers(0, 9))
     def step(self, data: st.DataObject, token: int) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.running)))
+        rid = data.draw(st.sampled_from(self.idle()))
         req = self.running[rid]
         if req.num_computed_tokens < req.num_tokens:  # still prefilling: next chunk
             num_new = min(data.draw(st.integers(1, 8)), req.num_tokens - req.num_computed_tokens)
@@ -79,18 +96,46 @@ class PoolMachine(RuleBasedStateMachine):
             del self.running[rid]
             self.waiting.insert(0, req)
             return
+        self.scheduled[rid] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
         req.num_computed_tokens += num_new
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: self.idle())
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.running)))
+        rid = data.draw(st.sampled_from(self.idle()))
         self.mgr.free(self.running.pop(rid))
 
     @rule()
+    def end_step(self) -> None:
+        plan = self.mgr.end_schedule_step()
+        assert len({h for _, h in plan.swap_out}) == len(plan.swap_out)
+        assert len({d for _, d in plan.swap_in}) == len(plan.swap_in)
+        # The runner's order: every swap-out, then every swap-in, then the forward.
+        for d, h in plan.swap_out:
+            self.host[h] = self.dev.get(d)
+        for h, d in plan.swap_in:
+            self.dev[d] = self.host.get(h)
+        blocks = self.mgr.managers[0].req_to_blocks
+        for rid, (start, end) in self.scheduled.items():
+            req, table = self.running[rid], blocks[rid]
+            for i in range(start // BS, -(-end // BS)):
+                self.dev[table[i].block_id] = req.block_hashes[i] if i < len(req.block_hashes) else ("part", rid, i)
+        self.scheduled.clear()
+        for b in self.mgr.block_pool.blocks:
+            if b.block_hash is not None:
+                assert self.dev.get(b.block_id) == b.block_hash, f"device block {b.block_id} holds other content"
+        if self.mgr.host_pool is not None:
+            owed = {h for _, h in self.mgr._swap_plan.swap_out}  # write-through copies of the next step
+            for b in self.mgr.host_pool.blocks:
+                if b.block_hash is not None and b.block_id not in owed:
+                    assert self.host.get(b.block_id) == b.block_hash, f"host block {b.block_id} holds other content"
+
+    @precondition(lambda self: not self.scheduled)
+    @rule()
     def reset(self) -> None:
+        pinned = self.mgr.host_pool is not None and (self.mgr._pinned_host or self.mgr._next_pinned_host)
         ok = self.mgr.reset_prefix_cache()
-        assert ok == (not self.running)
+        assert ok == (not self.running and not pinned)
         if ok:
             assert not self.mgr.block_pool.cached
 
@@ -101,10 +146,30 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for req in self.running.values():
             self.mgr.free(req)
+        self.mgr.end_schedule_step()
+        self.mgr.end_schedule_step()  # write-through copies owed from the last step
         self.mgr.check_integrity()
+        if self.mgr.host_pool is not None:
+            assert all(b.ref_cnt == 0 for b in self.mgr.host_pool.blocks), "a host block stayed pinned"
         assert self.mgr.get_num_free_blocks() == self.mgr.block_pool.num_usable_blocks
         assert all(b.ref_cnt == 0 for b in self.mgr.block_pool.blocks if not b.is_null)
 
 
+class HostTierMachine(PoolMachine):
+    """The same interleavings with a small host tier (LRU, write-through) behind the device pool."""
+
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=6, write_through=True)
+
+
+class ArcHostTierMachine(PoolMachine):
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=5, host_eviction="arc")
+
+
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestHostTier = HostTierMachine.TestCase
+TestHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestArcHostTier = ArcHostTierMachine.TestCase
+TestArcHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)

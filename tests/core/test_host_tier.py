@@ -1,0 +1,170 @@
+"""The host tier: shelter on eviction, lookups that continue into it, swap plans, LRU and ARC order."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_request, schedule
+
+from kvpool.core.host_pool import HostBlockPool
+from kvpool.core.kv_cache_manager import KVCacheManager
+
+BS = 4
+
+
+def tiers(mgr: KVCacheManager) -> tuple:
+    d, h = mgr.block_pool, mgr.host_pool
+    assert h is not None
+    return ([b.ref_cnt for b in d.blocks], d.free_block_ids(), {k: b.block_id for k, b in d.cached.items()},
+            [b.ref_cnt for b in h.blocks], h.free_block_ids(), {k: b.block_id for k, b in h.cached.items()},
+            mgr.get_block_ids("x"))
+
+
+def fill_and_evict(mgr: KVCacheManager) -> tuple:
+    a = make_request("a", list(range(12)), BS)
+    schedule(mgr, a)
+    assert not mgr.end_schedule_step()
+    mgr.free(a)
+    b = make_request("b", list(range(100, 116)), BS)
+    schedule(mgr, b)  # 4 blocks: the 2 empty ones, then a's tail (3) and a's middle (2)
+    plan = mgr.end_schedule_step()
+    mgr.free(b)
+    return a, plan
+
+
+def test_evicted_cached_blocks_are_sheltered_in_the_host_tier() -> None:
+    mgr = KVCacheManager(6, BS, num_host_blocks=4)
+    a, plan = fill_and_evict(mgr)
+    assert mgr.get_block_ids("b") == ([],)
+    assert plan.swap_out == [(3, 0), (2, 1)] and plan.swap_in == []
+    assert mgr.host_pool.cached[a.block_hashes[2]].block_id == 0
+    assert mgr.host_pool.cached[a.block_hashes[1]].block_id == 1
+    assert mgr.swap_stats.blocks_out == 2
+    mgr.check_integrity()
+
+
+def test_lookup_continues_into_the_host_tier_and_allocation_swaps_in() -> None:
+    mgr = KVCacheManager(6, BS, num_host_blocks=4)
+    fill_and_evict(mgr)
+    c = make_request("c", list(range(13)), BS)
+    hit, n = mgr.get_computed_blocks(c)
+    assert hit.get_block_ids() == ([1],) and [b.block_id for b in hit.host_blocks] == [1, 0]
+    assert n == 12 and mgr.stats.host_hits == 8
+    new = mgr.allocate_slots(c, c.num_tokens - n, n, hit)
+    assert new.get_block_ids() == ([5],)
+    # The host hits land in the next free device blocks (b's tail, 2 and 3), themselves sheltered first.
+    assert mgr.get_block_ids("c") == ([1, 2, 3, 5],)
+    plan = mgr.end_schedule_step()
+    assert plan.swap_out == [(2, 2), (3, 3)]
+    assert plan.swap_in == [(1, 2), (0, 3)]
+    # Device blocks 2 and 3 now hold a's content again (and its hashes); b's is in the host tier.
+    assert [mgr.block_pool.blocks[i].block_hash for i in (2, 3)] == c.block_hashes[1:3]
+    mgr.check_integrity()
+
+
+def test_allocation_that_does_not_fit_changes_neither_tier() -> None:
+    mgr = KVCacheManager(6, BS, num_host_blocks=4)
+    fill_and_evict(mgr)
+    x = make_request("x", [*range(12), *range(500, 520)], BS)  # 3 hits (1 device, 2 host) + 5 new
+    hit, n = mgr.get_computed_blocks(x)
+    assert n == 12 and len(hit.host_blocks) == 2
+    before = tiers(mgr)
+    assert mgr.allocate_slots(x, x.num_tokens - n, n, hit) is None
+    assert tiers(mgr) == before
+    assert not mgr.end_schedule_step()
+    mgr.check_integrity()
+
+
+def test_write_through_copies_new_blocks_in_the_next_plan() -> None:
+    mgr = KVCacheManager(8, BS, num_host_blocks=8, write_through=True)
+    a = make_request("a", list(range(10)), BS)
+    schedule(mgr, a)
+    # Not before this step's forward has computed them: the copies come with the next plan.
+    assert not mgr.end_schedule_step()
+    assert mgr.end_schedule_step().swap_out == [(1, 0), (2, 1)]
+    mgr.free(a)
+    big = make_request("big", list(range(200, 228)), BS)  # evicts everything a cached
+    schedule(mgr, big)
+    assert mgr.end_schedule_step().swap_out == []  # already in the host tier: nothing to copy
+    mgr.check_integrity()
+
+
+def test_host_lru_order_exact() -> None:
+    h = HostBlockPool(3)
+    for i in range(3):
+        assert h.shelter(b"h%d" % i).block_id == i
+    h.free_blocks(h.blocks)  # the step's copies ran: unpinned
+    assert h.free_block_ids() == [0, 1, 2]
+    assert h.shelter(b"h0") is None  # already held: refreshed to most recently used
+    assert h.free_block_ids() == [1, 2, 0]
+    blk = h.shelter(b"h3")
+    assert blk.block_id == 1 and b"h1" not in h.cached
+    h.free_blocks([blk])
+    assert h.free_block_ids() == [2, 0, 1]
+    h.check_integrity()
+
+
+def test_host_arc_keeps_frequently_used_blocks() -> None:
+    h = HostBlockPool(3, eviction="arc")
+    blocks = [h.shelter(b"a"), h.shelter(b"b"), h.shelter(b"c")]
+    h.free_blocks(blocks)
+    h.touch([h.cached[b"a"]])  # a swap-in reads "a": it becomes frequent (t2)
+    h.free_blocks([h.cached[b"a"]])
+    assert list(h.t1) == [b"b", b"c"] and list(h.t2) == [b"a"]
+    d = h.shelter(b"d")  # evicts the LRU of t1 ("b"), not "a"
+    h.free_blocks([d])
+    assert set(h.cached) == {b"a", b"c", b"d"} and list(h.b1) == [b"b"]
+    e = h.shelter(b"b")  # a ghost hit: "b" was evicted too early, t1's target grows; it enters t2
+    h.free_blocks([e])
+    assert h.p == 1 and list(h.t2) == [b"a", b"b"] and list(h.t1) == [b"d"]
+    assert e.block_id == blocks[2].block_id  # "c" (LRU of t1, now above its target) made room
+    assert set(h.cached) == {b"a", b"b", b"d"} and list(h.b1) == [b"c"]
+    h.check_integrity()
+    # The difference from LRU shows on a scan of new hashes: LRU flushes everything, ARC keeps t2.
+    lru = HostBlockPool(3)
+    bl = [lru.shelter(x) for x in (b"a", b"b", b"c")]
+    lru.free_blocks(bl)
+    for x in (b"s1", b"s2", b"s3"):  # a scan of new hashes flushes LRU entirely
+        lru.free_blocks([lru.shelter(x)])
+    assert b"a" not in lru.cached
+    arc = HostBlockPool(3, eviction="arc")
+    bl = [arc.shelter(x) for x in (b"a", b"b", b"c")]
+    arc.free_blocks(bl)
+    arc.touch([arc.cached[b"a"]])
+    arc.free_blocks([arc.cached[b"a"]])
+    for x in (b"s1", b"s2", b"s3"):
+        arc.free_blocks([arc.shelter(x)])
+    assert b"a" in arc.cached  # the frequently used block survives the scan
+
+
+def test_bad_policy_and_reset() -> None:
+    with pytest.raises(ValueError, match="host_eviction"):
+        HostBlockPool(4, eviction="fifo")
+    mgr = KVCacheManager(6, BS, num_host_blocks=4)
+    fill_and_evict(mgr)
+    assert mgr.host_pool.cached
+    assert mgr.reset_prefix_cache() is True
+    assert not mgr.host_pool.cached and not mgr.block_pool.cached
+    mgr.check_integrity()
+
+
+def test_swap_in_sources_are_pinned_against_same_step_evictions() -> None:
+    mgr = KVCacheManager(5, BS, num_host_blocks=2)  # 4 device blocks, 2 host blocks
+    a = make_request("a", list(range(8)), BS)
+    schedule(mgr, a)
+    mgr.end_schedule_step()
+    mgr.free(a)
+    b = make_request("b", list(range(100, 116)), BS)
+    schedule(mgr, b)
+    assert mgr.end_schedule_step().swap_out == [(2, 0), (1, 1)]  # a's blocks sheltered, the host is full
+    mgr.free(b)
+    c = make_request("c", [*range(8), 7], BS)
+    hit, n = mgr.get_computed_blocks(c)
+    assert [h.block_id for h in hit.host_blocks] == [1, 0] and n == 8
+    mgr.allocate_slots(c, 1, n, hit)
+    plan = mgr.end_schedule_step()
+    # Making room evicts three of b's blocks from the device; the host could only take them by
+    # evicting the very blocks this step reads: it must not, so they are dropped instead.
+    assert plan.swap_in == [(1, 1), (0, 2)]
+    assert plan.swap_out == []
+    assert mgr.host_pool.cached[a.block_hashes[0]].block_id == 1
+    mgr.check_integrity()
