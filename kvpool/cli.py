@@ -20,13 +20,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--swap-space", default="0", help="host KV tier size (e.g. 4GiB); 0 disables it")
+    g.add_argument("--host-eviction", default="lru", choices=["lru", "arc"], help="host tier eviction policy")
+    g.add_argument("--write-through", action="store_true",
+                   help="copy every newly full block to the host tier, not only when evicted")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(model=a.model, dtype=a.dtype, device=a.device, kv_cache_memory=a.kv_cache_memory,
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 hash_algo=a.hash_algo, max_num_batched_tokens=a.max_num_batched_tokens,
-                max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
+                max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, swap_space=a.swap_space,
+                host_eviction=a.host_eviction, write_through=a.write_through)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from kvpool.bench import manager, prefix
+    from kvpool.bench import manager, multiturn, prefix
 
     manager.add_arguments(bsub.add_parser("manager", help="replay a trace through the cache manager alone"))
     bp = bsub.add_parser("prefix", help="shared-prefix workload: kvpool with/without caching vs transformers")
     prefix.add_arguments(bp)
     add_engine_arguments(bp)
+    bm = bsub.add_parser("multiturn", help="multi-turn chats: device-only vs device + host tier, and the ceiling")
+    multiturn.add_arguments(bm)
+    add_engine_arguments(bm)
     return p
 
 
@@ -85,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvpool.bench import manager
 
             manager.run(args)
+        elif args.command == "bench" and args.bench == "multiturn":
+            from kvpool.bench import multiturn
+
+            multiturn.run(args, engine_kwargs(args))
         elif args.command == "bench" and args.bench == "prefix":
             from kvpool.bench import prefix
 

@@ -1,8 +1,13 @@
-"""Shared test helpers: word-level 'tokenizers' for the seeds' examples and manager shortcuts."""
+"""Shared test helpers: word-level 'tokenizers' for the seeds' examples, manager shortcuts, and
+the model fixtures (a tiny random-weight Llama, the real SmolLM2 converted once)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+import torch
 
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -44,3 +49,49 @@ def decode(mgr: KVCacheManager, req: CacheRequest, token: int) -> KVCacheBlocks 
 
 def make_request(rid: str, tokens: list[int], block_size: int, **kw: object) -> CacheRequest:
     return CacheRequest(rid, tokens, hasher=BlockHasher(block_size), **kw)  # type: ignore[arg-type]
+
+TINY_VOCAB = 256
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               tie_word_embeddings=False, initializer_range=0.3, eos_token_id=None, bos_token_id=None,
+               pad_token_id=None)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    from kvpool.runner.model_files import resolve_model
+
+    return resolve_model(None)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, fp32, one prompt at a time (no padding to blur it)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                               min_new_tokens=max_new_tokens if ref.generation_config.eos_token_id is None
+                               else 0)
+            out.append(ids[0][len(p):].tolist())
+    return out
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -90,3 +90,28 @@ def test_prefix_cache_skips_the_cached_tokens(tiny_llama_dir: Path) -> None:
                 enable_prefix_caching=False)
     assert fresh.generate([[*shared, 9, 8, 7, 6, 5]], SamplingParams.greedy(5),
                           use_tqdm=False)[0].token_ids == second.token_ids
+
+
+@pytest.mark.parametrize("host", [dict(host_eviction="lru"), dict(host_eviction="arc"),
+                                  dict(host_eviction="lru", write_through=True)])
+def test_host_tier_gives_identical_tokens(tiny_llama_dir: Path, expected: list[list[int]], host: dict) -> None:
+    prompts = shared_prefix_prompts()
+    llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=47,
+              num_host_blocks=160, **host)
+    eng = llm.engine
+    first = [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(N_NEW), use_tqdm=False)]
+    assert first == expected and eng.scheduler.stats.num_preemptions > 0
+    # Unrelated prompts push the first round out of the device pool, into the host tier.
+    rng = random.Random(9)
+    llm.generate([[rng.randrange(TINY_VOCAB) for _ in range(100)] for _ in range(3)], SamplingParams.greedy(4),
+                 use_tqdm=False)
+    eng.kv.take_prefix_cache_stats()
+    # The device pool no longer holds the first round: every hit has to come from the host tier.
+    again = llm.generate(prompts[:1], SamplingParams.greedy(N_NEW), use_tqdm=False)[0]
+    stats = eng.kv.take_prefix_cache_stats()
+    assert again.token_ids == expected[0]
+    assert stats.hits >= 72 and stats.host_hits == stats.hits and again.num_cached_tokens == stats.hits
+    assert eng.runner.num_blocks_swapped_in == eng.kv.swap_stats.blocks_in > 0
+    # And everything again, device and host hits mixed, with preemption.
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(N_NEW), use_tqdm=False)] == expected
+    eng.kv.check_integrity()

@@ -1,0 +1,151 @@
+"""`kvpool bench multiturn`: multi-turn chats on the real model with a device pool smaller than the
+working set, five cache configurations in one run.
+
+C clients hold conversations of T turns; each turn's prompt is the whole history (a shared system
+prompt, earlier user messages and answers) plus a new user message, sent as soon as the client's
+previous turn finished (closed loop). Answers appended to the history are the trace's, not the
+model's, so every configuration sees identical prompts; the model still generates as many tokens.
+Systems: no prefix caching; device-only caching; device + host tier (lazy swap-out); device + host
+(write-through); device-only with a pool large enough for everything (the ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from kvpool.bench.report import emit, format_table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--user-len", default="32:96", help="min:max tokens of a user message")
+    p.add_argument("--answer-len", default="16:32", help="min:max tokens of an answer")
+    p.add_argument("--device-blocks", type=int, default=128, help="device pool of the limited systems")
+    p.add_argument("--host-blocks", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default="no-cache,device,device+host,device+host-write-through,unlimited")
+    p.add_argument("--json", action="store_true")
+
+
+def _span(s: str) -> tuple[int, int]:
+    lo, _, hi = s.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def conversations(a: argparse.Namespace, vocab: tuple[int, int] = (1000, 40000)) -> tuple[list[int], list[list[tuple]]]:
+    rng = random.Random(a.seed)
+    ulo, uhi = _span(a.user_len)
+    alo, ahi = _span(a.answer_len)
+    system = [rng.randrange(*vocab) for _ in range(a.system_len)]
+    convs = [[([rng.randrange(*vocab) for _ in range(rng.randint(ulo, uhi))],
+               [rng.randrange(*vocab) for _ in range(rng.randint(alo, ahi))]) for _ in range(a.turns)]
+             for _ in range(a.clients)]
+    return system, convs
+
+
+def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> tuple[dict, list[list[int]]]:
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling_params import SamplingParams
+
+    system, convs = conversations(a)
+    kw = dict(engine_kw)
+    kw["enable_prefix_caching"] = name != "no-cache"
+    working_set = sum(-(-(a.system_len + sum(len(u) + len(ans) for u, ans in c)) // kw.get("block_size", 16))
+                      for c in convs)
+    # The ceiling (and no-cache, which needs no room to keep anything) get room for the whole working set.
+    roomy = name in ("unlimited", "no-cache")
+    kw["num_blocks"] = max(2 * working_set, a.device_blocks) if roomy else a.device_blocks
+    if name.startswith("device+host"):
+        kw["num_host_blocks"] = a.host_blocks
+        kw["write_through"] = name.endswith("write-through")
+    llm = LLM(**kw)
+    eng = llm.engine
+    history = [list(system) for _ in convs]
+    turn = [0] * len(convs)
+    sent: dict[str, tuple[int, int, float]] = {}
+    ttft: dict[int, list[float]] = {}
+    outputs: list[list[int]] = [[] for _ in convs]
+
+    def send(c: int) -> None:
+        user, ans = convs[c][turn[c]]
+        history[c] += user
+        req = eng.add_request(list(history[c]), SamplingParams(temperature=0.0, max_tokens=len(ans), ignore_eos=True),
+                              request_id=f"c{c}-t{turn[c]}")
+        sent[req.request_id] = (c, turn[c], time.perf_counter())
+
+    t0 = time.perf_counter()
+    for c in range(len(convs)):
+        send(c)
+    n_out = n_prompt = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            c, t, at = sent[out.request_id]
+            if out.metrics and out.metrics.first_token_time and len(out.token_ids) == 1:
+                ttft.setdefault(t, []).append(time.perf_counter() - at)
+            if not out.finished:
+                continue
+            if len(out.token_ids) == 1:
+                ttft.setdefault(t, []).append(time.perf_counter() - at)
+            outputs[c] += out.token_ids
+            n_out += len(out.token_ids)
+            n_prompt += len(out.prompt_token_ids)
+            history[c] += convs[c][t][1]
+            turn[c] += 1
+            if turn[c] < a.turns:
+                send(c)
+    wall = time.perf_counter() - t0
+    st = eng.kv.stats
+    later = [x for t, xs in ttft.items() if t > 0 for x in xs]
+    res = dict(wall_s=wall, output_tokens_per_s=n_out / wall, total_tokens_per_s=(n_out + n_prompt) / wall,
+               ttft_mean_ms=1e3 * statistics.mean(x for xs in ttft.values() for x in xs),
+               ttft_mean_ms_later_turns=1e3 * statistics.mean(later) if later else 0.0,
+               ttft_p99_ms=1e3 * sorted(x for xs in ttft.values() for x in xs)[-1],
+               ttft_mean_ms_by_turn={t: 1e3 * statistics.mean(xs) for t, xs in sorted(ttft.items())},
+               hit_rate=st.hit_rate, host_hit_rate=st.host_hits / st.queries if st.queries else 0.0,
+               device_blocks=kw["num_blocks"], blocks_swapped_out=eng.kv.swap_stats.blocks_out,
+               blocks_swapped_in=eng.kv.swap_stats.blocks_in,
+               bytes_copied=(eng.kv.swap_stats.blocks_out + eng.kv.swap_stats.blocks_in) * eng.runner.bytes_per_block,
+               preemptions=eng.scheduler.stats.num_preemptions)
+    return res, outputs
+
+
+def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
+    names = [s.strip() for s in a.systems.split(",") if s.strip()]
+    systems: dict[str, dict] = {}
+    outs: dict[str, list[list[int]]] = {}
+    for n in names:
+        if n not in ("no-cache", "device", "device+host", "device+host-write-through", "unlimited"):
+            raise ValueError(f"systems: unknown system {n!r}")
+        systems[n], outs[n] = run_system(n, a, engine_kw)
+    base = outs.get("no-cache")
+    for n in names:
+        same = [x == y for x, y in zip(outs[n], base, strict=True)] if base is not None else []
+        systems[n]["outputs_identical"] = all(same) if base is not None else None
+        systems[n]["outputs_identical_fraction"] = sum(same) / len(same) if same else None
+    result: dict[str, Any] = dict(workload=dict(clients=a.clients, turns=a.turns, system_len=a.system_len,
+                                                user_len=a.user_len, answer_len=a.answer_len,
+                                                device_blocks=a.device_blocks, host_blocks=a.host_blocks),
+                                  systems=systems)
+    if "device+host" in systems and "unlimited" in systems and "device" in systems:
+        dh, un, dv = systems["device+host"], systems["unlimited"], systems["device"]
+        result["device_host_vs_unlimited_ttft"] = dh["ttft_mean_ms"] / un["ttft_mean_ms"]
+        later = dh["ttft_mean_ms_later_turns"]
+        result["device_vs_device_host_ttft_later_turns"] = dv["ttft_mean_ms_later_turns"] / later
+    rows = [[n, f"{s['wall_s']:.1f}", f"{s['ttft_mean_ms']:.0f}", f"{s['ttft_mean_ms_later_turns']:.0f}",
+             f"{s['hit_rate']:.3f}", f"{s['host_hit_rate']:.3f}", f"{s['bytes_copied'] / 2**20:.1f}",
+             s["preemptions"],
+             "-" if s["outputs_identical_fraction"] is None else f"{s['outputs_identical_fraction']:.2f}"]
+            for n, s in systems.items()]
+    table = format_table(["system", "wall s", "TTFT ms", "TTFT later turns", "hit", "host hit", "MiB copied",
+                          "preempt", "same as no-cache"], rows)
+    by_turn = "\n".join(
+        f"{n}: TTFT ms by turn " + ", ".join(f"{t}: {v:.0f}" for t, v in s["ttft_mean_ms_by_turn"].items())
+        for n, s in systems.items())
+    emit(table + "\n" + by_turn, result, a.json)
+    return result
