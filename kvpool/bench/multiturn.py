@@ -86,12 +86,10 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
     while eng.has_unfinished_requests():
         for out in eng.step():
             c, t, at = sent[out.request_id]
-            if out.metrics and out.metrics.first_token_time and len(out.token_ids) == 1:
+            if len(out.token_ids) == 1:  # the step that produced the first token
                 ttft.setdefault(t, []).append(time.perf_counter() - at)
             if not out.finished:
                 continue
-            if len(out.token_ids) == 1:
-                ttft.setdefault(t, []).append(time.perf_counter() - at)
             outputs[c] += out.token_ids
             n_out += len(out.token_ids)
             n_prompt += len(out.prompt_token_ids)
