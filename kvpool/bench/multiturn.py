@@ -1,9 +1,12 @@
 """`kvpool bench multiturn`: multi-turn chats on the real model with a device pool smaller than the
 working set, five cache configurations in one run.
 
-C clients hold conversations of T turns; each turn's prompt is the whole history (a shared system
-prompt, earlier user messages and answers) plus a new user message, sent as soon as the client's
-previous turn finished (closed loop). Answers appended to the history are the trace's, not the
+C conversations of T turns, interleaved in a random order (the shape of `make_trace.py multi-turn`)
+with at most `--concurrency` requests in flight; each turn's prompt is the whole history (a shared
+system prompt, earlier user messages and answers) plus a new user message, and a turn is sent only
+once the same conversation's previous turn has finished. The device pool holds the running requests
+but not every conversation's history: what falls out of it is what the host tier can shelter.
+Answers appended to the history are the trace's, not the
 model's, so every configuration sees identical prompts; the model still generates as many tokens.
 Systems: no prefix caching; device-only caching; device + host tier (lazy swap-out); device + host
 (write-through); device-only with a pool large enough for everything (the ceiling).
@@ -21,12 +24,13 @@ from kvpool.bench.report import emit, format_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--user-len", default="32:96", help="min:max tokens of a user message")
     p.add_argument("--answer-len", default="16:32", help="min:max tokens of an answer")
-    p.add_argument("--device-blocks", type=int, default=128, help="device pool of the limited systems")
+    p.add_argument("--device-blocks", type=int, default=192, help="device pool of the limited systems")
     p.add_argument("--host-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="no-cache,device,device+host,device+host-write-through,unlimited")
@@ -45,8 +49,15 @@ def conversations(a: argparse.Namespace, vocab: tuple[int, int] = (1000, 40000))
     system = [rng.randrange(*vocab) for _ in range(a.system_len)]
     convs = [[([rng.randrange(*vocab) for _ in range(rng.randint(ulo, uhi))],
                [rng.randrange(*vocab) for _ in range(rng.randint(alo, ahi))]) for _ in range(a.turns)]
-             for _ in range(a.clients)]
+             for _ in range(a.conversations)]
     return system, convs
+
+
+def arrival_order(a: argparse.Namespace) -> list[int]:
+    """Conversation ids, one per turn, shuffled: the k-th occurrence of c is c's turn k."""
+    order = [c for c in range(a.conversations) for _ in range(a.turns)]
+    random.Random(a.seed + 1).shuffle(order)
+    return order
 
 
 def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> tuple[dict, list[list[int]]]:
@@ -79,9 +90,23 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
                               request_id=f"c{c}-t{turn[c]}")
         sent[req.request_id] = (c, turn[c], time.perf_counter())
 
+    order = arrival_order(a)
+    busy: set[int] = set()
+
+    def refill() -> None:
+        # Send the earliest pending turns whose conversation is idle, up to the concurrency limit.
+        i = 0
+        while i < len(order) and len(busy) < a.concurrency:
+            c = order[i]
+            if c in busy:
+                i += 1
+                continue
+            order.pop(i)
+            busy.add(c)
+            send(c)
+
     t0 = time.perf_counter()
-    for c in range(len(convs)):
-        send(c)
+    refill()
     n_out = n_prompt = 0
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -95,8 +120,8 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
             n_prompt += len(out.prompt_token_ids)
             history[c] += convs[c][t][1]
             turn[c] += 1
-            if turn[c] < a.turns:
-                send(c)
+            busy.discard(c)
+        refill()
     wall = time.perf_counter() - t0
     st = eng.kv.stats
     later = [x for t, xs in ttft.items() if t > 0 for x in xs]
@@ -126,7 +151,8 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         same = [x == y for x, y in zip(outs[n], base, strict=True)] if base is not None else []
         systems[n]["outputs_identical"] = all(same) if base is not None else None
         systems[n]["outputs_identical_fraction"] = sum(same) / len(same) if same else None
-    result: dict[str, Any] = dict(workload=dict(clients=a.clients, turns=a.turns, system_len=a.system_len,
+    result: dict[str, Any] = dict(workload=dict(conversations=a.conversations, turns=a.turns,
+                                                concurrency=a.concurrency, system_len=a.system_len,
                                                 user_len=a.user_len, answer_len=a.answer_len,
                                                 device_blocks=a.device_blocks, host_blocks=a.host_blocks),
                                   systems=systems)
