@@ -47,6 +47,17 @@ def decode(mgr: KVCacheManager, req: CacheRequest, token: int) -> KVCacheBlocks 
     return out
 
 
+def snapshot(mgr: KVCacheManager) -> tuple:
+    """Everything an allocation could change, in both tiers: to assert that a failed one changed nothing."""
+    pool, host = mgr.block_pool, mgr.host_pool
+    return ([b.ref_cnt for b in pool.blocks], pool.free_block_ids(),
+            {h: b.block_id for h, b in pool.cached.items()},
+            {rid: [b.block_id for b in bl] for rid, bl in mgr.managers[0].req_to_blocks.items()},
+            None if host is None else ([b.ref_cnt for b in host.blocks], host.free_block_ids(),
+                                       {h: b.block_id for h, b in host.cached.items()}),
+            (list(mgr._swap_plan.swap_out), list(mgr._swap_plan.swap_in)))
+
+
 def make_request(rid: str, tokens: list[int], block_size: int, **kw: object) -> CacheRequest:
     return CacheRequest(rid, tokens, hasher=BlockHasher(block_size), **kw)  # type: ignore[arg-type]
 

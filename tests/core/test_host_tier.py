@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_request, schedule
+from conftest import make_request, schedule, snapshot
 
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.kv_cache_manager import KVCacheManager
 
 BS = 4
-
-
-def tiers(mgr: KVCacheManager) -> tuple:
-    d, h = mgr.block_pool, mgr.host_pool
-    assert h is not None
-    return ([b.ref_cnt for b in d.blocks], d.free_block_ids(), {k: b.block_id for k, b in d.cached.items()},
-            [b.ref_cnt for b in h.blocks], h.free_block_ids(), {k: b.block_id for k, b in h.cached.items()},
-            mgr.get_block_ids("x"))
 
 
 def fill_and_evict(mgr: KVCacheManager) -> tuple:
@@ -67,9 +59,9 @@ def test_allocation_that_does_not_fit_changes_neither_tier() -> None:
     x = make_request("x", [*range(12), *range(500, 520)], BS)  # 3 hits (1 device, 2 host) + 5 new
     hit, n = mgr.get_computed_blocks(x)
     assert n == 12 and len(hit.host_blocks) == 2
-    before = tiers(mgr)
+    before = snapshot(mgr)
     assert mgr.allocate_slots(x, x.num_tokens - n, n, hit) is None
-    assert tiers(mgr) == before
+    assert snapshot(mgr) == before
     assert not mgr.end_schedule_step()
     mgr.check_integrity()
 

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import decode, make_request, schedule
+from conftest import decode, make_request, schedule, snapshot
 
 from kvpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.core.kv_cache_manager import KVCacheManager
-
-
-def snapshot(mgr: KVCacheManager) -> tuple:
-    pool = mgr.block_pool
-    return ([b.ref_cnt for b in pool.blocks], pool.free_block_ids(),
-            {h: b.block_id for h, b in pool.cached.items()},
-            {rid: [b.block_id for b in bl] for rid, bl in mgr.managers[0].req_to_blocks.items()})
 
 
 def test_hit_never_covers_the_whole_prompt() -> None:

@@ -7,6 +7,7 @@ free); a failed allocation changes nothing; at the end every block is free again
 
 from __future__ import annotations
 
+from conftest import snapshot
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -17,16 +18,6 @@ from kvpool.core.request import CacheRequest
 
 BS = 4
 PREFIXES = [list(range(1000, 1012)), list(range(2000, 2006)), [*range(1000, 1008), 5, 5]]
-
-
-def snapshot(mgr: KVCacheManager) -> tuple:
-    pool, host = mgr.block_pool, mgr.host_pool
-    return ([b.ref_cnt for b in pool.blocks], pool.free_block_ids(),
-            {h: b.block_id for h, b in pool.cached.items()},
-            {rid: [b.block_id for b in bl] for rid, bl in mgr.managers[0].req_to_blocks.items()},
-            None if host is None else ([b.ref_cnt for b in host.blocks], host.free_block_ids(),
-                                       {h: b.block_id for h, b in host.cached.items()}),
-            (list(mgr._swap_plan.swap_out), list(mgr._swap_plan.swap_in)))
 
 
 class PoolMachine(RuleBasedStateMachine):
