@@ -134,7 +134,7 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
                device_blocks=kw["num_blocks"], blocks_swapped_out=eng.kv.swap_stats.blocks_out,
                blocks_swapped_in=eng.kv.swap_stats.blocks_in,
                bytes_copied=(eng.kv.swap_stats.blocks_out + eng.kv.swap_stats.blocks_in) * eng.runner.bytes_per_block,
-               preemptions=eng.scheduler.stats.num_preemptions)
+               swap_seconds=eng.runner.swap_seconds, preemptions=eng.scheduler.stats.num_preemptions)
     return res, outputs
 
 
@@ -163,11 +163,12 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         result["device_vs_device_host_ttft_later_turns"] = dv["ttft_mean_ms_later_turns"] / later
     rows = [[n, f"{s['wall_s']:.1f}", f"{s['ttft_mean_ms']:.0f}", f"{s['ttft_mean_ms_later_turns']:.0f}",
              f"{s['hit_rate']:.3f}", f"{s['host_hit_rate']:.3f}", f"{s['bytes_copied'] / 2**20:.1f}",
+             f"{s['swap_seconds']:.3f}",
              s["preemptions"],
              "-" if s["outputs_identical_fraction"] is None else f"{s['outputs_identical_fraction']:.2f}"]
             for n, s in systems.items()]
     table = format_table(["system", "wall s", "TTFT ms", "TTFT later turns", "hit", "host hit", "MiB copied",
-                          "preempt", "same as no-cache"], rows)
+                          "copy s", "preempt", "same as no-cache"], rows)
     by_turn = "\n".join(
         f"{n}: TTFT ms by turn " + ", ".join(f"{t}: {v:.0f}" for t, v in s["ttft_mean_ms_by_turn"].items())
         for n, s in systems.items())
