@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hash-algo", default="sha256")
+    p.add_argument("--host-blocks", type=int, default=0, help="a host tier of this many blocks behind the pool")
+    p.add_argument("--host-eviction", default="lru", choices=["lru", "arc"])
     p.add_argument("--no-belady", action="store_true", help="skip the offline-optimal simulation")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -42,7 +44,8 @@ def run(a: argparse.Namespace) -> dict:
         trace, source = shared_prefix_trace(a.requests), "generated shared-prefix"
     runs = []
     for _ in range(a.repeats):
-        mgr = KVCacheManager(a.num_blocks, a.block_size)
+        mgr = KVCacheManager(a.num_blocks, a.block_size, num_host_blocks=a.host_blocks,
+                             host_eviction=a.host_eviction)
         runs.append(replay(trace, mgr, BlockHasher(a.block_size, a.hash_algo), a.concurrency))
     wall = statistics.median(r.wall_s for r in runs)
     n_blocks = sum(-(-(len(r["prompt"]) + len(r["decode"])) // a.block_size) for r in trace)
@@ -52,16 +55,21 @@ def run(a: argparse.Namespace) -> dict:
         unit = n_decode if op.startswith("decode") else len(trace)
         per_op[op] = round(statistics.median(r.times[op] for r in runs) / max(unit, 1) * 1e6, 3)
     hit_rate = runs[0].hit_rate
+    host_hit_rate = mgr.stats.host_hits / mgr.stats.queries if mgr.stats.queries else 0.0
     optimal = None if a.no_belady else belady_hit_rate(trace, a.num_blocks, a.block_size, a.concurrency,
                                                       a.hash_algo)
     result = dict(system="kvpool", hash_algo=a.hash_algo, repeats=a.repeats, requests=len(trace),
                   num_blocks=a.num_blocks, block_size=a.block_size, concurrency=a.concurrency,
-                  hit_rate=hit_rate, belady_hit_rate=optimal, wall_s=wall,
+                  hit_rate=hit_rate, belady_hit_rate=optimal, wall_s=wall, host_blocks=a.host_blocks,
+                  host_hit_rate=host_hit_rate, blocks_swapped_out=mgr.swap_stats.blocks_out,
+                  blocks_swapped_in=mgr.swap_stats.blocks_in,
                   requests_per_s=len(trace) / wall, blocks_per_s=n_blocks / wall,
                   us_per_request_or_decode_token=per_op)
     rows = [["trace", source], ["requests", len(trace)], ["pool", f"{a.num_blocks} blocks of {a.block_size}"],
             ["concurrency", a.concurrency], ["hit rate (LRU)", f"{hit_rate:.4f}"],
             ["hit rate (Belady optimum)", "skipped" if optimal is None else f"{optimal:.4f}"],
+            ["host tier", f"{a.host_blocks} blocks ({a.host_eviction}): hit rate {host_hit_rate:.4f}, "
+                          f"{mgr.swap_stats.blocks_out} blocks out, {mgr.swap_stats.blocks_in} in"],
             ["wall s (median)", f"{wall:.3f}"], ["requests/s", f"{len(trace) / wall:,.0f}"],
             ["blocks/s", f"{n_blocks / wall:,.0f}"]]
     rows += [[f"us per {'decoded token' if op.startswith('decode') else 'request'}: {op}", per_op[op]]

@@ -91,6 +91,7 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
             else:
                 still.append(st)
         active = still
+        manager.end_schedule_step()  # one scheduler step per round: the swap plan is handed out
     wall = pc() - wall0
     if manager.get_num_free_blocks() != manager.block_pool.num_usable_blocks:
         raise AssertionError("blocks leaked")
