@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -31,6 +32,7 @@ class SeqAttn:
     context_len: int  # tokens in the cache once this step's tokens are written (queries included)
     block_ids: torch.Tensor  # (ceil(context_len / block_size),) long
     prefix_len: int = 0  # leading tokens attended through its cascade group (0: none)
+    bias: torch.Tensor | None = None  # causal mask over its suffix keys, as an additive bias (see plan_masks)
 
     @property
     def num_queries(self) -> int:
@@ -119,6 +121,22 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
     meta.decode_mask = pos[None, :] < torch.tensor(lens, device=dev)[:, None]
 
 
+def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int) -> None:
+    """Once per step, for every multi-token chunk with cached context: the additive causal bias over
+    the keys after its cascade prefix, rows repeated for the `group` query heads of a kv head."""
+    for s in meta.seqs:
+        ql = s.num_queries
+        if ql == 1 or s.context_len == ql:
+            continue
+        n_keys = s.context_len - s.prefix_len
+        dev = meta.slot_mapping.device
+        # Query i sits at position context_len - ql + i and sees keys up to there.
+        qi = torch.arange(ql, device=dev)[:, None] + (n_keys - ql)
+        kj = torch.arange(n_keys, device=dev)[None, :]
+        bias = torch.zeros((ql, n_keys), dtype=dtype, device=dev).masked_fill_(kj > qi, float("-inf"))
+        s.bias = bias.repeat(group, 1)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the step's K/V (T, kv_heads, head_dim) at their slots."""
@@ -150,19 +168,13 @@ def _unfold(o: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries (n, heads, d) over keys (kv_heads, L, d): outputs (n, heads, d) and LSE (n, heads)."""
-    n, h, _ = q.shape
-    hkv = k.shape[0]
-    qf = _fold(q, hkv)
-    if causal:
-        assert mask is None and h == hkv
-        o, lse = _flash(qf, k[None], v[None], 0.0, True, scale=scale)[:2]
-    elif mask is not None:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        o, lse = _flash(qf, k[None], v[None], 0.0, False, attn_mask=bias.repeat(h // hkv, 1), scale=scale)[:2]
-    else:
-        o, lse = _flash(qf, k[None], v[None], 0.0, False, scale=scale)[:2]
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries (n, heads, d) over keys (kv_heads, L, d): outputs (n, heads, d) and LSE (n, heads).
+
+    `bias` is an additive mask over the folded rows (group * n, L), as `plan_masks` builds it."""
+    n = q.shape[0]
+    qf = _fold(q, k.shape[0])
+    o, lse = _flash(qf, k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)[:2]
     return _unfold(o, n), _unfold(lse, n)
 
 
@@ -220,21 +232,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             continue
         qs = q[s.q_start:s.q_end]
         if s.context_len == ql:
-            # No cached context: causal attention over the chunk's own K/V, as computed.
-            kk = k[s.q_start:s.q_end].transpose(0, 1)
-            vv = v[s.q_start:s.q_end].transpose(0, 1)
-            if kk.shape[0] != q.shape[1]:
-                g = q.shape[1] // kk.shape[0]
-                kk, vv = kk.repeat_interleave(g, 0), vv.repeat_interleave(g, 0)
-            o, l_ = _flash_lse(qs, kk, vv, scale, causal=True)
-        else:
-            first = s.prefix_len // k_cache.shape[2]
-            kk = gather_blocks(k_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
-            vv = gather_blocks(v_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
-            # Query i sits at position context_len - ql + i and sees keys up to there.
-            qi = torch.arange(ql, device=q.device)[:, None] + (s.context_len - ql - s.prefix_len)
-            kj = torch.arange(kk.shape[1], device=q.device)[None, :]
-            o, l_ = _flash_lse(qs, kk, vv, scale, mask=kj <= qi)
+            # No cached context (so never in a cascade group): causal attention over the chunk's own
+            # K/V, as computed. No log-sum-exp needed: the public kernel, which is faster here.
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k[s.q_start:s.q_end].transpose(0, 1)[None],
+                                               v[s.q_start:s.q_end].transpose(0, 1)[None], is_causal=True,
+                                               scale=scale, enable_gqa=True)
+            out[s.q_start:s.q_end] = o[0].transpose(0, 1)
+            continue
+        first = s.prefix_len // k_cache.shape[2]
+        kk = gather_blocks(k_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
+        vv = gather_blocks(v_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
+        assert s.bias is not None, "plan_masks must run once per step before the forward"
+        o, l_ = _flash_lse(qs, kk, vv, scale, s.bias)
         if grouped and s.prefix_len:
             acc[s.q_start:s.q_end] = o.float()  # type: ignore[index]
             lse[s.q_start:s.q_end] = l_  # type: ignore[index]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvpool.core.swap import SwapPlan
-from kvpool.runner.attention import AttentionMetadata, SeqAttn, plan_cascades, plan_decode_batch
+from kvpool.runner.attention import AttentionMetadata, SeqAttn, plan_cascades, plan_decode_batch, plan_masks
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
 
@@ -147,6 +147,7 @@ class ModelRunner:
             plan_cascades(meta, bs)
             self.num_cascade_steps += bool(meta.groups)
         plan_decode_batch(meta, bs)
+        plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), meta)
 
     def allocate_host_cache(self, swap_space: int) -> int:

@@ -48,3 +48,17 @@ def test_smollm2_chat_and_text(smol_llm: LLM) -> None:
     assert out.outputs[0].finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|>
     assert out.metrics is not None and out.metrics.first_token_time is not None
     assert out.metrics.arrival_time <= out.metrics.first_token_time <= out.metrics.finished_time
+
+
+def test_stop_strings_cut_the_text(smol_llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    full = smol_llm.chat(msgs, SamplingParams.greedy(20), use_tqdm=False)[0]
+    assert "Paris" in full.text
+    out = smol_llm.chat(msgs, SamplingParams.greedy(20, stop=["Paris"]), use_tqdm=False)[0]
+    assert out.text == full.text[: full.text.index("Paris")]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "Paris"
+    assert len(out.token_ids) < len(full.token_ids)
+    kept = smol_llm.chat(msgs, SamplingParams.greedy(20, stop=["Paris"], include_stop_str_in_output=True),
+                         use_tqdm=False)[0]
+    assert kept.text.endswith("Paris")
+    assert smol_llm.engine.kv.usage == 0  # the stopped requests' blocks were freed

@@ -11,6 +11,7 @@ from kvpool.runner.attention import (
     paged_attention,
     plan_cascades,
     plan_decode_batch,
+    plan_masks,
 )
 
 BS, HKV, H, D = 4, 2, 4, 8
@@ -54,6 +55,7 @@ def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch
     if cascade:
         plan_cascades(meta, BS, min_tokens=BS)
     plan_decode_batch(meta, BS)
+    plan_masks(meta, dtype, H // HKV)
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), kc, vc, meta, D ** -0.5)
     # Reference over the cache as it is after the write.
     for (table, start, n), m in zip(seqs, metas, strict=True):
