@@ -11,7 +11,7 @@ BlockHash = bytes
 
 
 class KVCacheBlock:
-    __slots__ = ("block_hash", "block_id", "is_null", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "group_id", "is_null", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -22,7 +22,19 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
+        # The layer group whose KV the block holds while cached: the map key is per group, since the
+        # same tokens need one block per group (see group_key).
+        self.group_id = 0
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash is not None else None
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+def group_key(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The prefix-cache key of a block hash in a layer group: the hash itself for group 0."""
+    return block_hash if group_id == 0 else block_hash + bytes((group_id,))
+
+
+def raw_hash(key: BlockHash, group_id: int) -> BlockHash:
+    return key if group_id == 0 else key[:-1]

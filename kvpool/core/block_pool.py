@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvpool.core.block import BlockHash, KVCacheBlock
+from kvpool.core.block import BlockHash, KVCacheBlock, group_key, raw_hash
 from kvpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.core.free_queue import FreeBlockQueue
 from kvpool.core.hashing import block_extra_keys
@@ -76,7 +76,7 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def cache_full_blocks(self, request: CacheRequest, blocks: Sequence[KVCacheBlock], num_cached: int,
-                          num_full: int, block_size: int) -> None:
+                          num_full: int, block_size: int, group_id: int = 0) -> None:
         """Give blocks [num_cached, num_full) of a request their hashes and enter them in the map."""
         hashes = request.block_hashes
         cached = self.cached
@@ -85,18 +85,19 @@ class BlockPool:
             blk = blocks[i]
             if blk.block_hash is not None or blk.is_null:
                 continue  # a prefix hit: already cached
-            h = hashes[i]
+            h = hashes[i] if group_id == 0 else group_key(hashes[i], group_id)
             blk.block_hash = h
+            blk.group_id = group_id
             if h not in cached:
                 cached[h] = blk
                 if events is not None:
                     events.append(BlockStored(
-                        block_hashes=[h], parent_block_hash=hashes[i - 1] if i else None,
+                        block_hashes=[hashes[i]], parent_block_hash=hashes[i - 1] if i else None,
                         token_ids=request.all_token_ids[i * block_size:(i + 1) * block_size],
                         block_size=block_size, lora_id=request.lora_id,
                         extra_keys=block_extra_keys(request, i * block_size, (i + 1) * block_size)
                         if request.has_extra_keys else (),
-                        medium=self.medium))
+                        medium=self.medium, group_id=group_id))
             else:
                 self._dups.setdefault(h, []).append(blk)
 
@@ -114,7 +115,8 @@ class BlockPool:
             else:
                 del self.cached[h]
                 if self.enable_kv_events:
-                    self.events.append(BlockRemoved(block_hashes=[h], medium=self.medium))
+                    self.events.append(BlockRemoved(block_hashes=[raw_hash(h, blk.group_id)], medium=self.medium,
+                                                    group_id=blk.group_id))
         else:
             dups = self._dups[h]
             dups.remove(blk)

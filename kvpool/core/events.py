@@ -18,12 +18,14 @@ class BlockStored:
     lora_id: int | str | None = None
     extra_keys: tuple[tuple[object, ...], ...] = ()
     medium: str = "device"
+    group_id: int = 0  # the layer group (hybrid models keep one block per group for the same tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: list[bytes]
     medium: str = "device"
+    group_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)

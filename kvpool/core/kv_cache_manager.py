@@ -16,7 +16,7 @@ from kvpool.core.events import KVCacheEvent
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kvpool.core.request import CacheRequest
-from kvpool.core.single_type_manager import SingleTypeKVCacheManager, make_manager
+from kvpool.core.single_type_manager import FullAttentionManager, SingleTypeKVCacheManager, make_manager
 from kvpool.core.stats import PrefixCacheStats
 from kvpool.core.swap import SwapPlan, SwapStats
 
@@ -73,7 +73,9 @@ class KVCacheManager:
         self.managers: list[SingleTypeKVCacheManager] = [
             make_manager(s, self.block_pool, g) for g, s in enumerate(self.specs)]
         self.num_groups = len(self.managers)
-        self._single = self.managers[0] if self.num_groups == 1 else None
+        # The hot path serves one full-attention group; other layer types release blocks as they go.
+        self._single = self.managers[0] if self.num_groups == 1 and isinstance(self.managers[0],
+                                                                               FullAttentionManager) else None
         self.stats = PrefixCacheStats()
         self._interval_stats = PrefixCacheStats()
         self._empty = KVCacheBlocks(tuple([] for _ in self.managers))
@@ -119,13 +121,27 @@ class KVCacheManager:
             num_hit = (len(hit) + len(host_hit)) * self.block_size
             blocks = KVCacheBlocks((hit,), host_hit)
         else:
-            hits = [m.find_longest_cache_hit(request.block_hashes, max_blocks) for m in self.managers]
-            n = min(len(h) for h in hits)
-            num_hit = n * self.block_size
-            blocks = KVCacheBlocks(tuple(h[:n] for h in hits))
+            hits = self._hybrid_hit(request.block_hashes, max_blocks)
+            num_hit = len(hits[0]) * self.block_size
+            blocks = KVCacheBlocks(hits)
         self.stats.record(num_tokens, num_hit)
         self._interval_stats.record(num_tokens, num_hit)
         return blocks, num_hit
+
+    def _hybrid_hit(self, block_hashes: list[bytes], max_blocks: int) -> tuple[list[KVCacheBlock], ...]:
+        """The longest prefix every group accepts.
+
+        A full-attention hit of n blocks is a hit for any shorter length, but a sliding-window hit is
+        not (the window before a shorter point may be gone): so shrink to the shortest group's answer
+        and ask again, until all agree. Never 0 when some length is valid for all.
+        """
+        n = max_blocks
+        while True:
+            hits = tuple(m.find_longest_cache_hit(block_hashes, n) for m in self.managers)
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
+                return hits
+            n = shortest
 
     def allocate_slots(
         self,
@@ -167,6 +183,9 @@ class KVCacheManager:
                         self._write_through(table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
+        for m in managers:
+            # Blocks that slid out of a window are released before counting what this step needs.
+            m.remove_skipped_blocks(rid, request.num_computed_tokens)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty.blocks
         host_hits = new_computed_blocks.host_blocks if new_computed_blocks is not None else []
         # Host hits need device blocks too: they are among the blocks the token count requires.

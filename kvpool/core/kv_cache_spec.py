@@ -30,3 +30,20 @@ class KVCacheSpec:
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
     """Every token attends to every earlier token: all blocks are kept for the request's lifetime."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    """Each token attends to the `sliding_window` most recent tokens (itself included)."""
+
+    sliding_window: int = 4096
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1, got {self.sliding_window}")
+
+    @property
+    def window_blocks(self) -> int:
+        """Cached blocks a prefix hit needs right before the hit point: ceil((W - 1) / block_size)."""
+        return -(-(self.sliding_window - 1) // self.block_size)

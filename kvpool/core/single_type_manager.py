@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.core.block import BlockHash, KVCacheBlock
+from kvpool.core.block import BlockHash, KVCacheBlock, group_key
 from kvpool.core.block_pool import BlockPool
-from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvpool.core.request import CacheRequest
 
 
@@ -72,8 +72,11 @@ class SingleTypeKVCacheManager:
         if num_full <= num_cached:
             return
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], num_cached, num_full,
-                                          self.block_size)
+                                          self.block_size, self.group_id)
         self.num_cached_block[rid] = num_full
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release blocks no future token will attend to (none, for full attention)."""
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, None)
@@ -87,17 +90,65 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
                                ) -> list[KVCacheBlock]:
         get = self.block_pool.cached.get
+        g = self.group_id
         hit: list[KVCacheBlock] = []
         for i in range(min(max_num_blocks, len(block_hashes))):
-            blk = get(block_hashes[i])
+            blk = get(block_hashes[i] if g == 0 else group_key(block_hashes[i], g))
             if blk is None:
                 break
             hit.append(blk)
         return hit
 
 
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Keeps only the blocks the window can still see; the rest of the table is the null block.
+
+    A prefix hit of n blocks needs only the window_blocks blocks right before the hit point to be
+    cached: the first token computed after the hit attends to nothing older. Scanning from the
+    longest candidate down finds the longest such n (or a fully cached prefix shorter than a window).
+    """
+
+    spec: SlidingWindowSpec
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
+                               ) -> list[KVCacheBlock]:
+        pool, g = self.block_pool, self.group_id
+        null = pool.null_block
+        assert null is not None, "sliding-window tables need the null block"
+        need = self.spec.window_blocks
+        run: list[KVCacheBlock] = []  # cached blocks found so far, last one first
+        for i in range(min(max_num_blocks, len(block_hashes)) - 1, -1, -1):
+            blk = pool.cached.get(group_key(block_hashes[i], g))
+            if blk is None:
+                run = []
+                continue
+            run.append(blk)
+            if len(run) == need:
+                return [null] * i + run[::-1]
+        return run[::-1]  # a cached run reaching back to the first block (shorter than a window)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        null = self.block_pool.null_block
+        if not blocks or null is None:
+            return
+        # The next token (at position num_computed_tokens) sees positions >= num_computed_tokens - W + 1.
+        first_visible = max(0, num_computed_tokens - self.spec.sliding_window + 1) // self.block_size
+        skipped = []
+        for i in range(first_visible - 1, -1, -1):
+            if blocks[i] is null:
+                break  # everything before was released already
+            skipped.append(blocks[i])
+            blocks[i] = null
+        if skipped:
+            # Oldest first, so evicted first: a later hit needs the blocks just before its hit point,
+            # and the oldest ones are the least likely to be that.
+            self.block_pool.free_blocks(reversed(skipped))
+
+
 MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 

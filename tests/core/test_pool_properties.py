@@ -12,8 +12,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvpool.core.block import group_key
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
+from kvpool.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from kvpool.core.request import CacheRequest
 
 BS = 4
@@ -106,11 +108,13 @@ class PoolMachine(RuleBasedStateMachine):
             self.host[h] = self.dev.get(d)
         for h, d in plan.swap_in:
             self.dev[d] = self.host.get(h)
-        blocks = self.mgr.managers[0].req_to_blocks
-        for rid, (start, end) in self.scheduled.items():
-            req, table = self.running[rid], blocks[rid]
-            for i in range(start // BS, -(-end // BS)):
-                self.dev[table[i].block_id] = req.block_hashes[i] if i < len(req.block_hashes) else ("part", rid, i)
+        for m in self.mgr.managers:
+            for rid, (start, end) in self.scheduled.items():
+                req, table = self.running[rid], m.req_to_blocks[rid]
+                for i in range(start // BS, -(-end // BS)):
+                    content = (group_key(req.block_hashes[i], m.group_id) if i < len(req.block_hashes)
+                               else ("part", rid, i, m.group_id))
+                    self.dev[table[i].block_id] = content
         self.scheduled.clear()
         for b in self.mgr.block_pool.blocks:
             if b.block_hash is not None:
@@ -158,9 +162,19 @@ class ArcHostTierMachine(PoolMachine):
         return KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=5, host_eviction="arc")
 
 
+class HybridMachine(PoolMachine):
+    """A full-attention group and a sliding-window group sharing one pool."""
+
+    def make_manager(self) -> KVCacheManager:
+        specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6)]
+        return KVCacheManager(num_blocks=24, block_size=BS, specs=specs)
+
+
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestHostTier = HostTierMachine.TestCase
 TestHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestArcHostTier = ArcHostTierMachine.TestCase
+TestHybrid = HybridMachine.TestCase
+TestHybrid.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestArcHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)

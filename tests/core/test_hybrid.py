@@ -1,0 +1,85 @@
+"""Per-layer-type rules: sliding-window hits and releases, and the hybrid hit every group accepts."""
+
+from __future__ import annotations
+
+from conftest import make_request, schedule
+
+from kvpool.core.block import group_key
+from kvpool.core.kv_cache_manager import KVCacheManager
+from kvpool.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+
+BS = 4
+SW = SlidingWindowSpec(block_size=BS, sliding_window=8)  # a hit needs ceil(7/4) = 2 blocks before it
+FULL = FullAttentionSpec(block_size=BS)
+
+
+def cache_pattern(mgr: KVCacheManager, hashes: list[bytes], group: int, cached: set[int]) -> None:
+    """Mark exactly the given block indices as cached in a group (hand-built patterns)."""
+    pool = mgr.block_pool
+    for i in sorted(cached):
+        blk = pool.blocks[1 + 8 * group + i]
+        blk.block_hash = group_key(hashes[i], group)
+        blk.group_id = group
+        pool.cached[blk.block_hash] = blk
+
+
+def hit_ids(mgr: KVCacheManager, n_tokens: int) -> tuple[tuple[list[int], ...], int]:
+    req = make_request("q", list(range(n_tokens)), BS)
+    hit, n = mgr.get_computed_blocks(req)
+    return hit.get_block_ids(), n
+
+
+def test_sliding_window_needs_only_the_window_before_the_hit_point() -> None:
+    mgr = KVCacheManager(40, BS, specs=[SW])
+    hashes = make_request("h", list(range(25)), BS).block_hashes  # 6 full blocks
+    cache_pattern(mgr, hashes, 0, {0, 1, 3, 4})
+    # From the end: block 5 missing, blocks 4 and 3 cached: a hit of 5 blocks, 0-2 as null.
+    assert hit_ids(mgr, 25) == (([0, 0, 0, 4, 5],), 20)
+    cache_pattern(mgr, hashes, 0, {2})
+    assert hit_ids(mgr, 25) == (([0, 0, 0, 4, 5],), 20)  # still the longest
+    mgr2 = KVCacheManager(40, BS, specs=[SW])
+    cache_pattern(mgr2, hashes, 0, {0, 2, 4})
+    # No two adjacent cached blocks, but block 0 alone is a valid prefix (nothing before it).
+    assert hit_ids(mgr2, 25) == (([1],), 4)
+
+
+def test_hybrid_hit_is_the_longest_length_every_group_accepts() -> None:
+    mgr = KVCacheManager(40, BS, specs=[FULL, SW])
+    hashes = make_request("h", list(range(25)), BS).block_hashes
+    cache_pattern(mgr, hashes, 0, {0, 1, 2})  # full attention: 3 blocks
+    cache_pattern(mgr, hashes, 1, {0, 1, 3, 4})  # sliding window alone: 5 blocks
+    # The groups disagree (3 vs 5); at 3 the window (blocks 1-2) misses block 2; at 2 both agree.
+    assert hit_ids(mgr, 25) == (([1, 2], [9, 10]), 8)
+    cache_pattern(mgr, hashes, 1, {2})
+    assert hit_ids(mgr, 25) == (([1, 2, 3], [0, 10, 11]), 12)
+
+
+def test_groups_keep_separate_blocks_for_the_same_tokens() -> None:
+    mgr = KVCacheManager(40, BS, specs=[FULL, SW])
+    a = make_request("a", list(range(13)), BS)
+    schedule(mgr, a)
+    full, window = mgr.get_block_ids("a")
+    assert len(full) == len(window) == 4 and not set(full) & set(window)
+    mgr.free(a)
+    b = make_request("b", list(range(14)), BS)
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 12 and hit.get_block_ids() == (full[:3], [0, *window[1:3]])
+    mgr.check_integrity()
+
+
+def test_sliding_window_releases_blocks_that_left_the_window() -> None:
+    mgr = KVCacheManager(40, BS, specs=[FULL, SW])
+    a = make_request("a", list(range(30)), BS)
+    assert mgr.allocate_slots(a, 30) is not None
+    a.num_computed_tokens = 30
+    full0, window0 = mgr.get_block_ids("a")
+    a.append_output_token_ids(1)
+    mgr.allocate_slots(a, 1)
+    full, window = mgr.get_block_ids("a")
+    # Token 30 sees positions 23..30: blocks 0-4 are out of the window, released as the null block.
+    assert full == full0 and window[:5] == [0] * 5 and window[5:] == window0[5:]
+    assert all(mgr.block_pool.blocks[b].ref_cnt == 0 for b in window0[:5])
+    # Released oldest first: they will be evicted in that order.
+    free = mgr.block_pool.free_block_ids()
+    assert [b for b in free if b in window0[:5]] == window0[:5]
+    mgr.check_integrity()
