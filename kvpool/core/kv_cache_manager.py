@@ -183,19 +183,21 @@ class KVCacheManager:
                         self._write_through(table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
-        for m in managers:
-            # Blocks that slid out of a window are released before counting what this step needs.
-            m.remove_skipped_blocks(rid, request.num_computed_tokens)
+        # Blocks that slid out of a window: released only if the allocation goes ahead (a failed one
+        # changes nothing), but counted as free space when they are this request's alone.
+        skipped = [m.skipped_blocks(rid, request.num_computed_tokens) for m in managers]
+        releasable = sum(1 for sk in skipped for b in sk if b.ref_cnt == 1)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty.blocks
         host_hits = new_computed_blocks.host_blocks if new_computed_blocks is not None else []
         # Host hits need device blocks too: they are among the blocks the token count requires.
         need = 0
         for g, m in enumerate(managers):
             need += m.get_num_blocks_to_allocate(rid, num_slots, hits[g])
-        if need > self.block_pool.get_num_free_blocks():
+        if need > self.block_pool.get_num_free_blocks() + releasable:
             return None
         new: list[list[KVCacheBlock]] = []
         for g, m in enumerate(managers):
+            m.remove_skipped_blocks(rid, skipped[g])
             m.save_new_computed_blocks(rid, hits[g])
             if host_hits:
                 self._swap_in(rid, m, host_hits)

@@ -75,8 +75,12 @@ class SingleTypeKVCacheManager:
                                           self.block_size, self.group_id)
         self.num_cached_block[rid] = num_full
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Release blocks no future token will attend to (none, for full attention)."""
+    def skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Blocks no future token will attend to (none, for full attention), newest first. Pure."""
+        return []
+
+    def remove_skipped_blocks(self, request_id: str, skipped: list[KVCacheBlock]) -> None:
+        """Release the blocks `skipped_blocks` named."""
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, None)
@@ -127,23 +131,32 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 return [null] * i + run[::-1]
         return run[::-1]  # a cached run reaching back to the first block (shorter than a window)
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.get(request_id)
         null = self.block_pool.null_block
         if not blocks or null is None:
-            return
+            return []
         # The next token (at position num_computed_tokens) sees positions >= num_computed_tokens - W + 1.
         first_visible = max(0, num_computed_tokens - self.spec.sliding_window + 1) // self.block_size
         skipped = []
-        for i in range(first_visible - 1, -1, -1):
+        for i in range(min(first_visible, len(blocks)) - 1, -1, -1):
             if blocks[i] is null:
                 break  # everything before was released already
             skipped.append(blocks[i])
+        return skipped
+
+    def remove_skipped_blocks(self, request_id: str, skipped: list[KVCacheBlock]) -> None:
+        if not skipped:
+            return
+        blocks = self.req_to_blocks[request_id]
+        null = self.block_pool.null_block
+        assert null is not None
+        end = blocks.index(skipped[0]) + 1  # the newest skipped block ends the run
+        for i in range(end - len(skipped), end):
             blocks[i] = null
-        if skipped:
-            # Oldest first, so evicted first: a later hit needs the blocks just before its hit point,
-            # and the oldest ones are the least likely to be that.
-            self.block_pool.free_blocks(reversed(skipped))
+        # Oldest first, so evicted first: a later hit needs the blocks just before its hit point,
+        # and the oldest ones are the least likely to be that.
+        self.block_pool.free_blocks(reversed(skipped))
 
 
 MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {

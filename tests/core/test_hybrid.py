@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import make_request, schedule
+from conftest import make_request, schedule, snapshot
 
 from kvpool.core.block import group_key
 from kvpool.core.kv_cache_manager import KVCacheManager
@@ -82,4 +82,23 @@ def test_sliding_window_releases_blocks_that_left_the_window() -> None:
     # Released oldest first: they will be evicted in that order.
     free = mgr.block_pool.free_block_ids()
     assert [b for b in free if b in window0[:5]] == window0[:5]
+    mgr.check_integrity()
+
+
+def test_out_of_window_blocks_count_as_room_but_a_failed_allocation_keeps_them() -> None:
+    mgr = KVCacheManager(9, BS, specs=[SW])  # 8 usable blocks
+    a = make_request("a", list(range(28)), BS)
+    assert mgr.allocate_slots(a, 28) is not None  # 7 blocks
+    a.num_computed_tokens = 28
+    b = make_request("b", [500], BS)
+    schedule(mgr, b)  # the last free block
+    a.append_output_token_ids(1)
+    before = snapshot(mgr)
+    # 8 more blocks wanted; 0 free + 5 out of the window (token 28 sees 21..28): does not fit.
+    assert mgr.allocate_slots(a, 1, num_lookahead_tokens=30) is None
+    assert snapshot(mgr) == before
+    # One more block fits only thanks to the released ones.
+    new = mgr.allocate_slots(a, 1)
+    assert new is not None and len(new) == 1
+    assert mgr.get_block_ids("a")[0][:5] == [0] * 5
     mgr.check_integrity()
