@@ -73,7 +73,6 @@ class LLMEngine:
                                    max_num_seqs=config.max_num_seqs,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.eos_token_ids = _eos_ids(self.model_dir)
-        self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
 
@@ -111,7 +110,7 @@ class LLMEngine:
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
         rid = request_id if request_id is not None else str(next(self._ids))
-        if rid in self._requests:
+        if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
         req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
@@ -120,7 +119,6 @@ class LLMEngine:
             g = torch.Generator(device=self.runner.device)
             g.manual_seed(params.seed)
             self._generators[rid] = g
-        self._requests[rid] = req
         self.scheduler.add_request(req)
         return req
 
@@ -191,5 +189,4 @@ class LLMEngine:
             finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics)
 
     def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
