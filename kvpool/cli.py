@@ -1,4 +1,5 @@
-"""The `kvpool` command line: `generate` text with a model, and `bench` the cache and the engine."""
+"""The `kvpool` command line: `generate` text with a model, `serve` the OpenAI-compatible API, and `bench`
+the cache and the engine."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_engine_arguments(gen)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, metrics)")
+    from kvpool.server import serve as serve_mod
+
+    serve_mod.add_arguments(srv)
+    add_engine_arguments(srv)
+
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kvpool.bench import manager, multiturn, prefix
@@ -89,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "serve":
+            from kvpool.server import serve
+
+            serve.run(args, engine_kwargs(args))
         elif args.command == "bench" and args.bench == "manager":
             from kvpool.bench import manager
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,9 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = None
+        # A fast tokenizer may refuse concurrent use ("Already borrowed"); the server encodes on its
+        # handler threads while the engine thread decodes.
+        self._tokenizer_lock = threading.Lock()
         if not config.skip_tokenizer_init:
             from transformers import AutoTokenizer
 
@@ -81,7 +85,8 @@ class LLMEngine:
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("prompt: this engine has no tokenizer; pass token ids")
-        return list(self.tokenizer.encode(prompt))
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(prompt))
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -89,15 +94,17 @@ class LLMEngine:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("messages: each message needs a 'role' and a 'content'")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
+        with self._tokenizer_lock:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True)
         if not isinstance(ids, list):
             ids = ids["input_ids"]
         return list(ids)
 
-    def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, lora_id: int | str | None = None,
-                    cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = ()) -> Request:
+    def make_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
+                     request_id: str | None = None, lora_id: int | str | None = None,
+                     cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = ()) -> Request:
+        """Validate, tokenize and hash a request without queueing it (safe off the engine's thread)."""
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -112,15 +119,26 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
-        req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
-                      cache_salt=cache_salt, prompt=text)
-        if params.seed is not None:
-            g = torch.Generator(device=self.runner.device)
-            g.manual_seed(params.seed)
-            self._generators[rid] = g
-        self.scheduler.add_request(req)
+        return Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
+                       max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
+                       cache_salt=cache_salt, prompt=text)
+
+    def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, lora_id: int | str | None = None,
+                    cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = ()) -> Request:
+        req = self.make_request(prompt, sampling_params, request_id=request_id, lora_id=lora_id,
+                                cache_salt=cache_salt, mm_items=mm_items)
+        self.enqueue(req)
         return req
+
+    def enqueue(self, req: Request) -> None:
+        """Hand a request made by `make_request` to the scheduler."""
+        self.scheduler.add_request(req)
+        seed = req.sampling_params.seed
+        if seed is not None:
+            g = torch.Generator(device=self.runner.device)
+            g.manual_seed(seed)
+            self._generators[req.request_id] = g
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not running or waiting."""
@@ -162,7 +180,8 @@ class LLMEngine:
     def _detokenize(self, req: Request) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
 
     def _check_stop_strings(self, req: Request) -> None:
         stops = req.sampling_params.stop

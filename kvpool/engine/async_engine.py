@@ -1,0 +1,298 @@
+"""The engine on its own thread, for asyncio callers: requests go in through an inbox, outputs come back
+as per-request async streams, and a step report (stats deltas, finished requests, KV events) goes to
+listeners after every step.
+
+Only the engine thread touches the scheduler and the KV cache manager; callers reach them through
+`submit`, `abort` and `call`, so an HTTP handler never waits for a forward pass and never races one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvpool.core.events import KVCacheEvent
+from kvpool.engine.engine import LLMEngine
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised); no request can be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are in flight; the caller should retry later."""
+
+
+@dataclass
+class StepReport:
+    """What one engine step changed, for metrics and KV event publishing (deltas since the last report)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    host_usage: float | None = None  # None: no host tier
+    prefix_queries: int = 0  # tokens
+    prefix_hits: int = 0
+    host_hits: int = 0
+    prompt_tokens: int = 0  # of requests whose prefill completed this step, cached tokens included
+    generation_tokens: int = 0
+    preemptions: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    bytes_per_block: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)
+    kv_events: list[KVCacheEvent] = field(default_factory=list)
+
+
+StepListener = Callable[[StepReport], None]
+
+
+class RequestStream:
+    """Outputs of one request, pushed by the engine thread onto the caller's event loop.
+
+    Iterate it for the request's outputs; `abort()` (or leaving the iteration early and calling it)
+    stops the request and frees its blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True  # the engine already dropped it
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Idempotent; a no-op once the request finished."""
+        if not self.finished:
+            self.finished = True
+            self._engine._inbox.put(("abort", self.request_id))
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, max_pending: int = 256, idle_poll: float = 0.05) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending: must be >= 1")
+        self.engine = engine
+        self.max_pending = max_pending
+        self._idle_poll = idle_poll
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._last_token_time: dict[str, float] = {}  # engine thread only
+        self._pending = 0  # requests submitted and not yet finished or aborted
+        self._pending_lock = threading.Lock()
+        self._listeners: list[StepListener] = []
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self._last_stats = (0, 0, 0, 0)
+        self._aborted_since_report = False
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def add_listener(self, fn: StepListener) -> None:
+        """Called on the engine thread after every step; must be quick and must not raise."""
+        self._listeners.append(fn)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    # -- caller side (any thread with a running event loop) --------------------------------------------
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Validate and queue a request; its outputs arrive on the returned stream.
+
+        Raises ValueError for bad input (nothing is queued), EngineOverloadedError when `max_pending`
+        requests are already in flight, EngineDeadError when the engine is not running.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        req = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id=request_id,
+                                      cache_salt=cache_salt)
+        with self._pending_lock:
+            if self._pending >= self.max_pending:
+                raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")
+            self._pending += 1
+        stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
+        self._inbox.put(("add", req, stream))
+        return stream
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps (e.g. reset the prefix cache, read state)."""
+        return await asyncio.wrap_future(self.call_soon(fn))
+
+    def call_soon(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """`call` for code without an event loop: wait on the returned future."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    # -- engine thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain(block=idle):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                elif self._aborted_since_report and self._listeners:
+                    # No step will follow to report the blocks an abort freed; report them now.
+                    self._publish(self._report())
+        except BaseException as e:  # a bug in a step: fail every request loudly rather than hang them
+            log.exception("engine step failed; the engine is stopped")
+            self.error = e
+        finally:
+            self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}" if self.error
+                                           else "the engine was shut down"))
+
+    def _fail_all(self, dead: EngineDeadError) -> None:
+        for stream in self._streams.values():
+            stream.push(dead)
+        self._streams.clear()
+        while True:  # whatever arrived after the last drain
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP and item[0] == "add":
+                item[2].push(dead)
+            elif item is not _STOP and item[0] == "call":
+                item[2].set_exception(dead)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply everything in the inbox; False when asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(timeout=self._idle_poll) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if item is _STOP:
+                return False
+            kind = item[0]
+            if kind == "add":
+                _, req, stream = item
+                try:
+                    self.engine.enqueue(req)
+                except ValueError as e:
+                    self._done(req.request_id)
+                    stream.push(e)
+                    continue
+                self._streams[req.request_id] = stream
+            elif kind == "abort":
+                if self._streams.pop(item[1], None) is not None:
+                    self.engine.abort_request(item[1])
+                    self._done(item[1])
+                    self._aborted_since_report = True
+            elif kind == "call":
+                _, fn, fut = item
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:  # handed to the caller, who asked for it
+                    fut.set_exception(e)
+
+    def _done(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+        with self._pending_lock:
+            self._pending -= 1
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.time()
+        report = self._report() if self._listeners else None
+        for out in outputs:
+            rid = out.request_id
+            prev = self._last_token_time.get(rid)
+            if report is not None:
+                if prev is None:  # the prefill just completed
+                    report.prompt_tokens += len(out.prompt_token_ids)
+                else:
+                    report.inter_token_latencies.append(now - prev)
+            self._last_token_time[rid] = now
+            stream = self._streams.get(rid)
+            if out.finished:
+                self._streams.pop(rid, None)
+                self._last_token_time.pop(rid, None)
+                if stream is not None:
+                    self._done(rid)
+                if report is not None:
+                    report.finished.append(out)
+            if stream is not None:
+                stream.push(out)
+        if report is not None:
+            self._publish(report)
+
+    def _publish(self, report: StepReport) -> None:
+        self._aborted_since_report = False
+        for fn in self._listeners:
+            fn(report)
+
+    def _report(self) -> StepReport:
+        eng = self.engine
+        kv, sched = eng.kv, eng.scheduler
+        pc = kv.take_prefix_cache_stats()
+        totals = (sched.stats.num_generation_tokens, sched.stats.num_preemptions, kv.swap_stats.blocks_out,
+                  kv.swap_stats.blocks_in)
+        d = [a - b for a, b in zip(totals, self._last_stats, strict=True)]
+        self._last_stats = totals
+        return StepReport(num_running=len(sched.running), num_waiting=len(sched.waiting), kv_usage=kv.usage,
+                          host_usage=kv.host_pool.usage if kv.host_pool is not None else None,
+                          prefix_queries=pc.queries, prefix_hits=pc.hits, host_hits=pc.host_hits,
+                          generation_tokens=d[0], preemptions=d[1], blocks_swapped_out=d[2], blocks_swapped_in=d[3],
+                          bytes_per_block=eng.runner.bytes_per_block,
+                          kv_events=kv.take_events())

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine: completions, chat completions, models, health,
+Prometheus metrics and a prefix-cache reset.
+
+Every failure a client can cause is an OpenAI-style error object ({"error": {"message", "type",
+"param", "code"}}) with a 4xx status; the engine thread never sees an invalid request. Bodies are read
+and parsed here rather than by FastAPI's automatic validation, so size limits, UTF-8 and JSON errors
+and field errors all get the same shape and status 400/413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.server.metrics import ServerMetrics
+from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
+
+M = TypeVar("M", bound=BaseModel)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+                503: "service_unavailable", 500: "internal_server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    @classmethod
+    def from_value_error(cls, e: ValueError) -> APIError:
+        msg = str(e)
+        field = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
+        return cls(400, msg, field)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        body = {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"body: {declared} bytes is over the limit of {max_bytes}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise APIError(413, f"body: over the limit of {max_bytes} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"body: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"body: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "body: must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        raise APIError(400, f"{field}: {err['msg']}", field) from None
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+class _TextDeltas:
+    """Text to send in each streamed chunk. Holds back what may still change: a trailing partial UTF-8
+    character (decoded as U+FFFD) and the last len(stop)-1 characters, which may be the start of a stop
+    string that the finished text will not contain."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        stops: list[str] = params.stop or []  # type: ignore[assignment]
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0
+
+    def next(self, out: RequestOutput) -> str:
+        text = out.text
+        end = len(text)
+        if not out.finished:
+            end -= self._hold
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, api_key: str | None = None,
+               max_body_bytes: int = 4 << 20) -> FastAPI:
+    app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return APIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {e!r}").response()
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"model: The model `{name}` does not exist (this server has `{model_name}`)",
+                           "model")
+
+    async def start(prompt: str | list[int], params: SamplingParams, salt: str | None) -> RequestStream:
+        try:
+            return await engine.add_request(prompt, params, request_id=uuid.uuid4().hex, cache_salt=salt)
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+        except EngineOverloadedError as e:
+            raise APIError(503, f"server overloaded: {e}; retry later") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+
+    async def finish(request: Request, stream: RequestStream) -> RequestOutput:
+        """The final output; aborts the request if the client goes away first."""
+
+        async def last() -> RequestOutput:
+            out = None
+            async for out in stream:  # noqa: B007
+                pass
+            assert out is not None
+            return out
+
+        task = asyncio.ensure_future(last())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        finally:
+            if not task.done():
+                task.cancel()
+            stream.abort()
+
+    def sse(stream: RequestStream, chunk: Callable[[str, RequestOutput | None, bool], dict[str, Any]],
+            params: SamplingParams, include_usage: bool, rid: str, obj: str,
+            first: dict[str, Any] | None = None) -> StreamingResponse:
+        deltas = _TextDeltas(params)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if first is not None:
+                    yield f"data: {json.dumps(first)}\n\n"
+                out = None
+                async for out in stream:
+                    text = deltas.next(out)
+                    if text or out.finished:
+                        yield f"data: {json.dumps(chunk(text, out, out.finished))}\n\n"
+                if include_usage and out is not None:
+                    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                            "choices": [], "usage": _usage(out)}
+                    yield f"data: {json.dumps(body)}\n\n"
+            except EngineDeadError as e:
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[503], 'code': 503}})}\n\n"
+            finally:
+                stream.abort()  # a no-op when finished; frees the blocks when the client left mid-stream
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return APIError(503, "the engine is not running").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "kvpool",
+             "max_model_len": engine.engine.max_model_len}]})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        authorize(request)
+        try:
+            ok = await engine.call(lambda e: e.kv.reset_prefix_cache())
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        if not ok:
+            raise APIError(409, "prefix cache not reset: running requests hold blocks; retry when idle")
+        return JSONResponse({"reset": True})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        body = await read_body(request, CompletionRequest, max_body_bytes)
+        check_model(body.model)
+        try:
+            prompt, params = body.single_prompt(), body.to_sampling_params()
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+        stream = await start(prompt, params, body.cache_salt)
+        rid = f"cmpl-{stream.request_id}"
+
+        def choice(text: str, out: RequestOutput | None, final: bool) -> dict[str, Any]:
+            reason = out.outputs[0].finish_reason if out is not None and final else None
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return sse(stream, lambda t, o, f: {"id": rid, "object": "text_completion", "created": int(time.time()),
+                                                "model": model_name, "choices": [choice(t, o, f)]},
+                       params, include, rid, "text_completion")
+        out = await finish(request, stream)
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": model_name, "choices": [choice(out.text, out, True)], "usage": _usage(out)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        body = await read_body(request, ChatCompletionRequest, max_body_bytes)
+        check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            ids = await asyncio.to_thread(engine.engine.apply_chat_template, body.chat_messages())
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+        except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
+            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        stream = await start(ids, params, body.cache_salt)
+        rid = f"chatcmpl-{stream.request_id}"
+
+        def chunk(text: str, out: RequestOutput | None, final: bool, delta: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+            reason = out.outputs[0].finish_reason if out is not None and final else None
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "delta": delta if delta is not None else {"content": text},
+                                 "logprobs": None, "finish_reason": reason}]}
+
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return sse(stream, chunk, params, include, rid, "chat.completion.chunk",
+                       first=chunk("", None, False, {"role": "assistant", "content": ""}))
+        out = await finish(request, stream)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                                          "logprobs": None, "finish_reason": out.outputs[0].finish_reason}],
+                             "usage": _usage(out)})
+
+    return app

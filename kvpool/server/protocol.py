@@ -1,0 +1,110 @@
+"""Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
+
+Fields kvpool does not implement are refused with a message naming them when they would change the
+result (penalties, logprobs, n > 1), and ignored when they are only bookkeeping (`user`, `metadata`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from kvpool.engine.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: Any = None
+    # Extensions (as vLLM accepts them, in the body or via the OpenAI client's extra_body).
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    # Requests with different salts never share cached blocks: tenant isolation against timing side channels.
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self) -> SamplingParams:
+        """A ValueError naming the field for a value kvpool cannot honour."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported (must be 0)")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs: not supported")
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, max_tokens=self._max_tokens(),
+            stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), seed=self.seed,
+            ignore_eos=self.ignore_eos, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class CompletionRequest(_SamplingFields):
+    # A string or token ids; a list holding exactly one of those is accepted too (a batch of one).
+    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ValueError("prompt: batches of several prompts are not supported; send one per request")
+            p = p[0]
+        if not p:
+            raise ValueError("prompt: must not be empty")
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        return p  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

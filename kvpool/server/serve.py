@@ -1,0 +1,107 @@
+"""`kvpool serve`: build the engine, start its thread, and serve the OpenAI-compatible API with uvicorn.
+
+`start_server` runs the same thing on a background thread and returns a handle (URL, engine, stop);
+tests and benchmarks use it to run a real server on 127.0.0.1 without a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from kvpool.engine.async_engine import AsyncEngine
+from kvpool.engine.engine import LLMEngine
+from kvpool.server.app import create_app
+from kvpool.server.kv_events import KVEventPublisher
+from kvpool.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and admin routes")
+    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    g.add_argument("--max-pending", type=int, default=256,
+                   help="requests in flight (running + waiting) before new ones get HTTP 503")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
+    g.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV cache events on this ZeroMQ PUB endpoint (e.g. tcp://127.0.0.1:5557)")
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    _server: uvicorn.Server
+    _thread: threading.Thread
+    _publisher: KVEventPublisher | None
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.engine.shutdown()
+        if self._publisher is not None:
+            self._publisher.close()
+
+
+def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
+          max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None
+          ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
+    name = served_model_name or engine.model_dir.name
+    async_engine = AsyncEngine(engine, max_pending=max_pending)
+    metrics = ServerMetrics(name, host_tier=engine.kv.host_pool is not None)
+    async_engine.add_listener(metrics.observe)
+    publisher = None
+    if kv_events_endpoint:
+        if not engine.config.enable_kv_events:
+            raise ValueError("kv_events_endpoint: the engine was built without enable_kv_events=True")
+        publisher = KVEventPublisher(kv_events_endpoint)
+        publisher.bind()
+        async_engine.add_listener(publisher.observe)
+    app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app, async_engine, metrics, publisher
+
+
+def start_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> ServerHandle:
+    """A real server on a background thread; port 0 picks a free one."""
+    app, async_engine, metrics, publisher = build(engine, **kw)
+    async_engine.start()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="kvpool-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            async_engine.shutdown()
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return ServerHandle(f"http://{host}:{bound}", async_engine, metrics, server, thread, publisher)
+
+
+def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+    if args.kv_events_endpoint:
+        engine_kwargs = dict(engine_kwargs, enable_kv_events=True)
+    engine = LLMEngine(**engine_kwargs)
+    app, async_engine, _, publisher = build(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                                            max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
+                                            kv_events_endpoint=args.kv_events_endpoint)
+    async_engine.start()
+    log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host, args.port,
+             engine.runner.num_blocks, engine.config.block_size)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", lifespan="off")
+    finally:
+        async_engine.shutdown()
+        if publisher is not None:
+            publisher.close()
