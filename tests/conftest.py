@@ -4,6 +4,7 @@ the model fixtures (a tiny random-weight Llama, the real SmolLM2 converted once)
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,16 @@ def smol_dir() -> Path:
     from kvpool.runner.model_files import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def chat_llama_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    """A tiny random-weight Llama wearing SmolLM2's tokenizer and chat template: real tokenization and
+    chat formatting, millisecond forwards."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny-chat-llama"), seed=1, vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smol_dir / name, path / name)
+    return path
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -126,6 +126,9 @@ class AsyncEngine:
         """Called on the engine thread after every step; must be quick and must not raise."""
         self._listeners.append(fn)
 
+    def remove_listener(self, fn: StepListener) -> None:
+        self._listeners.remove(fn)
+
     def start(self) -> None:
         if self._thread is not None:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -74,9 +75,26 @@ async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "body"
-        raise APIError(400, f"{field}: {err['msg']}", field) from None
+        raise _validation_error(e) from None
+
+
+# Union members show up in pydantic's error locations ("prompt.str", "content.list[...]"); users name fields.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|bytes|none|list|dict)$|[\[\]-]")
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    by_field: dict[str, list[str]] = {}
+    for err in e.errors():
+        loc = [str(p) for p in err["loc"]]
+        cut = next((i for i, p in enumerate(loc) if i and _TYPE_TAG.search(p)), len(loc))
+        inner = ".".join(p for p in loc[cut:] if not _TYPE_TAG.search(p))
+        msg = f"{inner}: {err['msg']}" if inner else err["msg"]
+        msgs = by_field.setdefault(".".join(loc[:cut]) or "body", [])
+        if msg not in msgs:
+            msgs.append(msg)
+    field, msgs = next(iter(by_field.items()))
+    # Several messages for one field: it is a union, and the value matched none of its forms.
+    return APIError(400, f"{field}: {' / '.join(msgs[:4])}", field)
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

@@ -1,0 +1,182 @@
+"""Bad input never takes the server down: each case gets an OpenAI-style error with the right status and a
+message naming the problem, nothing leaks, and the server answers normally afterwards."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import make_engine
+
+from kvpool.engine.async_engine import StepReport
+from kvpool.server.serve import ServerHandle, start_server
+
+OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def body(**kw: object) -> bytes:
+    return json.dumps({**OK, **kw}).encode()
+
+
+CASES = [
+    # (path, raw body, status, param, message fragment)
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None, "body: invalid JSON"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "body: not valid UTF-8"),
+    ("/v1/completions", b'["hi"]', 400, None, "body: must be a JSON object"),
+    ("/v1/completions", body(model="gpt-9"), 404, "model", "The model `gpt-9` does not exist"),
+    ("/v1/completions", body(prompt=""), 400, "prompt", "prompt: must not be empty"),
+    ("/v1/completions", body(prompt=[]), 400, "prompt", "prompt: must not be empty"),
+    ("/v1/completions", body(prompt=None), 400, "prompt", "prompt:"),
+    ("/v1/completions", body(prompt=["a", "b"]), 400, "prompt", "batches of several prompts"),
+    ("/v1/completions", body(prompt=[1, -2]), 400, "prompt", "greater than or equal to 0"),
+    ("/v1/completions", body(prompt=[1, 10**6]), 400, "prompt_token_ids", "token ids must be in [0, 49152)"),
+    ("/v1/completions", body(prompt=list(range(600))), 400, "prompt_token_ids", "the context holds 512"),
+    ("/v1/completions", body(max_tokens=0), 400, "max_tokens", "max_tokens: must be an int >= 1"),
+    ("/v1/completions", body(max_tokens=-5), 400, "max_tokens", "max_tokens: must be an int >= 1"),
+    ("/v1/completions", body(max_tokens=10_000), 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", body(max_tokens="many"), 400, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", body(temperature=-1), 400, "temperature", "temperature: must be >= 0"),
+    ("/v1/completions", body(top_p=2), 400, "top_p", "top_p: must be in (0, 1]"),
+    ("/v1/completions", body(top_k=-3), 400, "top_k", "top_k"),
+    ("/v1/completions", body(n=3), 400, "n", "n: only n=1 is supported"),
+    ("/v1/completions", body(seed="x"), 400, "seed", "seed: Input should be a valid integer"),
+    ("/v1/completions", body(stop=[""]), 400, "stop", "stop: every stop string"),
+    ("/v1/completions", body(logprobs=3), 400, "logprobs", "logprobs: not supported"),
+    ("/v1/completions", body(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+    ("/v1/completions", body(cache_salt=""), 400, "cache_salt", "cache_salt"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": []}).encode(), 400, "messages", "messages"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
+     "messages.0.role", "messages.0.role"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": 5}]}).encode(), 400,
+     "messages.0.content", "messages.0.content"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 0}).encode(), 400, "max_tokens",
+     "max_tokens: must be an int >= 1"),
+    ("/v1/completions", b"x" * (65 << 10), 413, None, "body:"),
+    ("/v1/nothing-here", body(), 404, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "status", "param", "fragment"), CASES,
+                         ids=[f"{c[2]}-{c[4][:30]}" for c in CASES])
+def test_bad_input_gets_an_openai_error(server: ServerHandle, path: str, raw: bytes, status: int,
+                                        param: str | None, fragment: str) -> None:
+    r = httpx.post(f"{server.url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"]
+    assert err["code"] == status and isinstance(err["type"], str)
+    if param is not None:
+        assert err["param"] == param
+    # Still serving, nothing left behind.
+    ok = httpx.post(f"{server.url}/v1/completions", content=body(), headers={"content-type": "application/json"})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert server.engine.num_pending == 0
+    assert server.engine.call_soon(lambda e: e.kv.usage).result(10) == 0.0
+
+
+def test_huge_body_announced_by_content_length_is_refused_before_reading(server: ServerHandle) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        yield b"a" * (1 << 20)  # httpx streams this with chunked encoding: the limit applies while reading
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks())
+    assert r.status_code == 413
+
+
+@pytest.fixture(scope="module")
+def keyed(chat_llama_dir: Path) -> Iterator[ServerHandle]:
+    h = start_server(make_engine(chat_llama_dir, num_blocks=64), served_model_name="tiny", api_key="s3cret",
+                     max_pending=1)
+    yield h
+    h.stop()
+
+
+def test_api_key(keyed: ServerHandle) -> None:
+    url = keyed.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = httpx.post(f"{url}/v1/completions", content=body(), headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.post(f"{url}/reset_prefix_cache", headers=headers).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+    good = {"Authorization": "Bearer s3cret"}
+    assert httpx.post(f"{url}/v1/completions", content=body(), headers=good).status_code == 200
+    assert httpx.post(f"{url}/reset_prefix_cache", headers=good).json() == {"reset": True}
+    assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+    assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_overload_is_503_and_recovers(keyed: ServerHandle) -> None:
+    good = {"Authorization": "Bearer s3cret"}
+    gate = threading.Event()
+    parked = keyed.engine.call_soon(lambda e: gate.wait(30))  # hold the engine thread between steps
+    first: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: first.append(
+        httpx.post(f"{keyed.url}/v1/completions", content=body(), headers=good, timeout=30)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while keyed.engine.num_pending < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = httpx.post(f"{keyed.url}/v1/completions", content=body(), headers=good)  # limit is 1 in flight
+    assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
+    assert r.headers["retry-after"] == "1"
+    gate.set()
+    parked.result(10)
+    t.join(30)
+    assert first[0].status_code == 200
+    assert keyed.engine.num_pending == 0
+    assert httpx.post(f"{keyed.url}/v1/completions", content=body(), headers=good).status_code == 200
+
+
+def test_reset_refused_while_blocks_are_held(keyed: ServerHandle) -> None:
+    good = {"Authorization": "Bearer s3cret"}
+    parked, gate = threading.Event(), threading.Event()
+
+    def hold(report: StepReport) -> None:  # park the engine right after a step that leaves a request running
+        if report.num_running and not gate.is_set():
+            parked.set()
+            gate.wait(30)
+
+    keyed.engine.add_listener(hold)
+    long = json.dumps({**OK, "max_tokens": 50, "stream": True, "ignore_eos": True}).encode()
+    got: list[httpx.Response] = []
+    try:
+        with httpx.stream("POST", f"{keyed.url}/v1/completions", content=long, headers=good) as first:
+            assert parked.wait(10)
+            t = threading.Thread(target=lambda: got.append(httpx.post(f"{keyed.url}/reset_prefix_cache",
+                                                                      headers=good)))
+            t.start()
+            deadline = time.monotonic() + 10
+            while keyed.engine._inbox.qsize() == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the reset is queued: it runs before the next step, while blocks are held
+            gate.set()
+            t.join(30)
+            assert len(list(first.iter_lines())) > 0
+    finally:
+        gate.set()
+        keyed.engine.remove_listener(hold)
+    assert got[0].status_code == 409 and "hold blocks" in got[0].json()["error"]["message"]
+
+
+def test_engine_failure_fails_requests_and_health(chat_llama_dir: Path) -> None:
+    h = start_server(make_engine(chat_llama_dir, num_blocks=32), served_model_name="tiny")
+    try:
+        boom = threading.Event()
+
+        def broken_step() -> list:
+            boom.set()
+            raise RuntimeError("kernel exploded")
+
+        h.engine.engine.step = broken_step  # type: ignore[method-assign]
+        r = httpx.post(f"{h.url}/v1/completions", content=body(), timeout=10)
+        assert boom.is_set()
+        assert r.status_code == 503 and "kernel exploded" in r.json()["error"]["message"]
+        assert httpx.get(f"{h.url}/health").status_code == 503
+        assert httpx.post(f"{h.url}/v1/completions", content=body()).status_code == 503
+    finally:
+        h.stop()

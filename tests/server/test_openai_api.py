@@ -1,0 +1,154 @@
+"""The server through the official `openai` client: completions and chat, streaming or not, exactly the
+tokens the offline engine produces, cached-token counts, cache salts, and 32 concurrent streams of
+which some hang up early."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_helpers import BLOCK, make_engine, metric
+
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.server.serve import ServerHandle
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(chat_llama_dir: Path):  # the same model and settings, no server: the reference
+    return make_engine(chat_llama_dir)
+
+
+def offline_text(engine, prompt: str | list[int], max_tokens: int) -> tuple[str, list[int]]:
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out.text, out.token_ids
+    raise AssertionError("no output")
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_matches_offline_engine_streaming_or_not(client: openai.OpenAI, offline) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    want, want_ids = offline_text(offline, prompt, 12)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(offline.encode(prompt))
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # Token ids as the prompt (what benchmarks send) give the same continuation.
+    ids = offline.encode(prompt)
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0).choices[0].text == want
+    assert want_ids  # the offline reference really generated
+
+
+def test_chat_matches_offline_engine_streaming_or_not(client: openai.OpenAI, offline) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    want, _ = offline_text(offline, offline.apply_chat_template(messages), 10)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=10,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_cached_tokens_rise_on_a_repeated_prefix(client: openai.OpenAI, server: ServerHandle) -> None:
+    doc = list(range(1000, 1000 + 5 * BLOCK + 3))  # 83 tokens: 5 full blocks
+    hits0 = metric(server.url, "kvpool:prefix_cache_hits_total")
+    first = client.completions.create(model="tiny", prompt=doc, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny", prompt=[*doc, 7, 8], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 5 * BLOCK
+    assert metric(server.url, "kvpool:prefix_cache_hits_total") - hits0 == 5 * BLOCK
+
+
+def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
+    doc = list(range(3000, 3000 + 3 * BLOCK + 1))
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt else None
+        r = client.completions.create(model="tiny", prompt=doc, max_tokens=1, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == 3 * BLOCK
+    assert cached("tenant-b") == 0  # same tokens, another tenant: no hit
+    assert cached(None) == 0  # unsalted requests do not see salted blocks either
+    assert cached(None) == 3 * BLOCK
+
+
+def test_32_concurrent_streams_with_early_hangups(server: ServerHandle, offline) -> None:
+    prompts = [[2000 + i, *range(500, 500 + 20 + i)] for i in range(32)]
+    want = [offline_text(offline, p, 16)[0] for p in prompts]
+    hangup = set(range(0, 32, 4))  # these ask for 400 tokens: only an abort frees their blocks before the end
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await aclient.completions.create(model="tiny", prompt=prompts[i], temperature=0, stream=True,
+                                                  max_tokens=400 if i in hangup else 16)
+        text, n = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            n += 1
+            if i in hangup and n == 2:
+                await stream.close()
+                return None
+        return text
+
+    async def run() -> list[str | None]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    tokens0 = metric(server.url, "kvpool:generation_tokens_total")
+    got = asyncio.run(run())
+    for i in range(32):
+        if i not in hangup:
+            assert got[i] == want[i], i
+    # Hung-up requests were aborted, and every block returned: had they run on, they would have made
+    # 8 x 400 tokens.
+    assert asyncio.run(_wait_idle(server, timeout=30.0))
+    assert metric(server.url, "kvpool:generation_tokens_total") - tokens0 < 24 * 16 + 8 * 200
+    assert metric(server.url, "kvpool:kv_cache_usage_perc") == 0.0
+    assert metric(server.url, "kvpool:num_requests_running") == 0.0
+    server.engine.call_soon(lambda e: e.kv.check_integrity()).result(10)
+    assert server.engine.call_soon(lambda e: e.kv.usage).result(10) == 0.0
+    assert server.engine.num_pending == 0
+
+
+async def _wait_idle(server: ServerHandle, timeout: float = 20.0) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if server.engine.num_pending == 0 and metric(server.url, "kvpool:kv_cache_usage_perc") == 0.0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def test_metrics_count_requests_and_latencies(server: ServerHandle, client: openai.OpenAI) -> None:
+    before = {n: metric(server.url, n) for n in ("kvpool:time_to_first_token_seconds_count",
+                                                 "kvpool:generation_tokens_total", "kvpool:request_success_total",
+                                                 "kvpool:prefix_cache_queries_total")}
+    client.completions.create(model="tiny", prompt=list(range(100, 140)), max_tokens=5, temperature=0)
+    client.completions.create(model="tiny", prompt=list(range(200, 230)), max_tokens=3, temperature=0)
+    delta = {n: metric(server.url, n) - v for n, v in before.items()}
+    assert delta == {"kvpool:time_to_first_token_seconds_count": 2, "kvpool:generation_tokens_total": 8,
+                     "kvpool:request_success_total": 2, "kvpool:prefix_cache_queries_total": 70}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
