@@ -1,5 +1,5 @@
-"""Shared test helpers: word-level 'tokenizers' for the seeds' examples, manager shortcuts, and
-the model fixtures (a tiny random-weight Llama, the real SmolLM2 converted once)."""
+"""Fixtures shared by every test folder: the word tokenizer of the seeds' examples and the model folders
+(a tiny random-weight Llama, the real SmolLM2 converted once, a tiny Llama with SmolLM2's tokenizer)."""
 
 from __future__ import annotations
 
@@ -8,75 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import Words, make_tiny_llama
 
-from kvpool.core.hashing import BlockHasher
-from kvpool.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvpool.core.request import CacheRequest
-
-
-class Words:
-    """Maps each distinct word to a stable token id, so the seeds' sentences become token lists."""
-
-    def __init__(self) -> None:
-        self.ids: dict[str, int] = {}
-
-    def __call__(self, text: str) -> list[int]:
-        return [self.ids.setdefault(w, len(self.ids) + 100) for w in text.split()]
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture
 def words() -> Words:
     return Words()
-
-
-def schedule(mgr: KVCacheManager, req: CacheRequest) -> KVCacheBlocks | None:
-    """What the scheduler does to admit a request: lookup, then allocate the whole prompt."""
-    hit, n_hit = mgr.get_computed_blocks(req)
-    out = mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit)
-    if out is not None:
-        req.num_computed_tokens = req.num_tokens
-    return out
-
-
-def decode(mgr: KVCacheManager, req: CacheRequest, token: int) -> KVCacheBlocks | None:
-    """One decode step: append the sampled token, then make room for it."""
-    req.append_output_token_ids(token)
-    out = mgr.allocate_slots(req, 1)
-    if out is not None:
-        req.num_computed_tokens += 1
-    return out
-
-
-def snapshot(mgr: KVCacheManager) -> tuple:
-    """Everything an allocation could change, in both tiers: to assert that a failed one changed nothing."""
-    pool, host = mgr.block_pool, mgr.host_pool
-    return ([b.ref_cnt for b in pool.blocks], pool.free_block_ids(),
-            {h: b.block_id for h, b in pool.cached.items()},
-            {rid: [b.block_id for b in bl] for rid, bl in mgr.managers[0].req_to_blocks.items()},
-            None if host is None else ([b.ref_cnt for b in host.blocks], host.free_block_ids(),
-                                       {h: b.block_id for h, b in host.cached.items()}),
-            (list(mgr._swap_plan.swap_out), list(mgr._swap_plan.swap_in)))
-
-
-def make_request(rid: str, tokens: list[int], block_size: int, **kw: object) -> CacheRequest:
-    return CacheRequest(rid, tokens, hasher=BlockHasher(block_size), **kw)  # type: ignore[arg-type]
-
-TINY_VOCAB = 256
-
-
-def make_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-               tie_word_embeddings=False, initializer_range=0.3, eos_token_id=None, bos_token_id=None,
-               pad_token_id=None)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -99,21 +38,3 @@ def chat_llama_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> 
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smol_dir / name, path / name)
     return path
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generate, fp32, one prompt at a time (no padding to blur it)."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                               min_new_tokens=max_new_tokens if ref.generation_config.eos_token_id is None
-                               else 0)
-            out.append(ids[0][len(p):].tolist())
-    return out
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

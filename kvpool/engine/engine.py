@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
@@ -78,6 +79,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.eos_token_ids = _eos_ids(self.model_dir)
         self._generators: dict[str, torch.Generator] = {}
+        self._decoders: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
         self._ids = itertools.count()
 
     # -- requests --------------------------------------------------------------------------------------
@@ -161,7 +163,6 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(out, sampled)
         results = []
         for req in progressed:
-            self._check_stop_strings(req)
             results.append(self._output(req))
             if req.status.finished:
                 self._forget(req.request_id)
@@ -183,12 +184,38 @@ class LLMEngine:
         with self._tokenizer_lock:
             return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
 
-    def _check_stop_strings(self, req: Request) -> None:
-        stops = req.sampling_params.stop
-        if not stops or self.tokenizer is None:
-            return
-        text = self._detokenize(req)
-        hits = [(text.find(s), s) for s in stops if s in text]  # type: ignore[union-attr]
+    def _update_text(self, req: Request) -> int:
+        """Bring `req.output_text` up to date; returns where the new text starts.
+
+        While a request runs, its text grows by incremental decoding (the tokenizers library's
+        DecodeStream): O(new tokens) per step where a full decode would be O(output) and quadratic over
+        a long generation. The final text is one full decode, so it is exactly `tokenizer.decode`.
+        """
+        start = len(req.output_text)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if req.status.finished or backend is None:
+            req.output_text = self._detokenize(req)
+            return min(start, len(req.output_text))
+        state = self._decoders.get(req.request_id)
+        if state is None:
+            state = self._decoders[req.request_id] = [DecodeStream(skip_special_tokens=True), 0]
+        stream, done = state
+        ids = req.output_token_ids
+        pieces = []
+        with self._tokenizer_lock:
+            for tok in ids[done:]:
+                piece = stream.step(backend, tok)
+                if piece:
+                    pieces.append(piece)
+        state[1] = len(ids)
+        req.output_text += "".join(pieces)
+        return start
+
+    def _check_stop_strings(self, req: Request, new_from: int) -> None:
+        stops: list[str] = req.sampling_params.stop  # type: ignore[assignment]
+        text = req.output_text
+        # Only text that arrived this step can complete a stop string: search from len(stop)-1 before it.
+        hits = [(p, s) for s in stops if (p := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
         if hits:
             pos, s = min(hits)
             req.output_text = text[: pos + (len(s) if req.sampling_params.include_stop_str_in_output else 0)]
@@ -197,9 +224,12 @@ class LLMEngine:
             req.stop_reason = s
 
     def _output(self, req: Request) -> RequestOutput:
+        stopped = req.sampling_params.stop and req.stop_reason in req.sampling_params.stop
+        if self.tokenizer is not None and not stopped:
+            new_from = self._update_text(req)
+            if req.sampling_params.stop:
+                self._check_stop_strings(req, new_from)
         finished = req.status.finished
-        if not (req.sampling_params.stop and req.stop_reason in req.sampling_params.stop):
-            req.output_text = self._detokenize(req)
         reason = req.status.value if finished else None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.all_token_ids[:req.num_prompt_tokens],
@@ -209,3 +239,4 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._decoders.pop(request_id, None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_request, schedule, snapshot
+from helpers import make_request, schedule, snapshot
 
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.kv_cache_manager import KVCacheManager

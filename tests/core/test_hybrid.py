@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import make_request, schedule, snapshot
+from helpers import make_request, schedule, snapshot
 
 from kvpool.core.block import group_key
 from kvpool.core.kv_cache_manager import KVCacheManager

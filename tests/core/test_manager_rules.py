@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import decode, make_request, schedule, snapshot
+from helpers import decode, make_request, schedule, snapshot
 
 from kvpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.core.kv_cache_manager import KVCacheManager

@@ -7,7 +7,7 @@ free); a failed allocation changes nothing; at the end every block is free again
 
 from __future__ import annotations
 
-from conftest import snapshot
+from helpers import snapshot
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

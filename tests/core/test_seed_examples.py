@@ -5,7 +5,7 @@ kvpool reserves block 0 as the null block, so the seeds' block i is kvpool's blo
 
 from __future__ import annotations
 
-from conftest import Words, decode, make_request, schedule
+from helpers import Words, decode, make_request, schedule
 
 from kvpool.core.kv_cache_manager import KVCacheManager
 

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import TINY_VOCAB, hf_greedy
+from helpers import TINY_VOCAB, hf_greedy
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
