@@ -32,6 +32,8 @@ class SeqAttn:
     context_len: int  # tokens in the cache once this step's tokens are written (queries included)
     block_ids: torch.Tensor  # (ceil(context_len / block_size),) long
     prefix_len: int = 0  # leading tokens attended through its cascade group (0: none)
+    # First block this sequence reads by itself: after its cascade prefix, or where its window starts.
+    first_block: int = 0
     bias: torch.Tensor | None = None  # causal mask over its suffix keys, as an additive bias (see plan_masks)
 
     @property
@@ -61,13 +63,18 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # (B,) query rows
     decode_tables: torch.Tensor | None = None  # (B, W) suffix block ids, padded with block 0
     decode_mask: torch.Tensor | None = None  # (B, W * block_size) True where a key is visible
+    # Sliding-window layers: each query sees the `window` most recent positions, itself included.
+    window: int | None = None
 
 
 def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MIN_CASCADE_TOKENS) -> None:
     """Group sequences sharing leading physical blocks; set each member's `prefix_len`.
 
     A member's queries must all lie after the shared prefix, so the prefix is fully visible to them.
+    Not for sliding-window layers: their shared prefix soon falls out of the window.
     """
+    if meta.window is not None:
+        return
     by_first: dict[int, list[int]] = {}
     for i, s in enumerate(meta.seqs):
         if s.context_len - s.num_queries >= min_tokens and len(s.block_ids):
@@ -89,12 +96,22 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
             continue
         for i in members:
             meta.seqs[i].prefix_len = n * block_size
+            meta.seqs[i].first_block = n
         rows = torch.cat([torch.arange(meta.seqs[i].q_start, meta.seqs[i].q_end) for i in members])
         ids = first[:n].clone()
         start = int(ids[0])
         run = bool(torch.equal(ids, torch.arange(start, start + n, device=ids.device)))
         meta.groups.append(CascadeGroup(n * block_size, ids, members, rows.to(meta.slot_mapping.device),
                                         start if run else None))
+
+
+def plan_windows(meta: AttentionMetadata, block_size: int) -> None:
+    """Sliding-window layers: each sequence reads from the block holding the oldest key its first query
+    sees. Older blocks may be the null block already (the window manager released them)."""
+    if meta.window is None:
+        return
+    for s in meta.seqs:
+        s.first_block = max(0, s.context_len - s.num_queries - meta.window + 1) // block_size
 
 
 def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
@@ -105,11 +122,12 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
     dev = meta.slot_mapping.device
     tables = []
     lens = []
+    lows = []
     for i in idx:
         s = meta.seqs[i]
-        first = s.prefix_len // block_size
-        tables.append(s.block_ids[first: -(-s.context_len // block_size)])
-        lens.append(s.context_len - s.prefix_len)
+        tables.append(s.block_ids[s.first_block: -(-s.context_len // block_size)])
+        lens.append(s.context_len - s.first_block * block_size)
+        lows.append(0 if meta.window is None else lens[-1] - meta.window)
     width = max(len(t) for t in tables)
     padded = torch.zeros(len(idx), width, dtype=torch.long, device=dev)
     for j, t in enumerate(tables):
@@ -119,21 +137,27 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
     meta.decode_rows = torch.tensor([meta.seqs[i].q_start for i in idx], dtype=torch.long, device=dev)
     meta.decode_tables = padded
     meta.decode_mask = pos[None, :] < torch.tensor(lens, device=dev)[:, None]
+    if meta.window is not None:
+        meta.decode_mask &= pos[None, :] >= torch.tensor(lows, device=dev)[:, None]
 
 
-def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int) -> None:
-    """Once per step, for every multi-token chunk with cached context: the additive causal bias over
-    the keys after its cascade prefix, rows repeated for the `group` query heads of a kv head."""
+def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int, block_size: int) -> None:
+    """Once per step, for every multi-token chunk with cached context (or longer than its window): the
+    additive causal (and window) bias over the keys it reads itself, rows repeated for the `group`
+    query heads of a kv head."""
+    w = meta.window
     for s in meta.seqs:
         ql = s.num_queries
-        if ql == 1 or s.context_len == ql:
+        if ql == 1 or (s.context_len == ql and (w is None or ql <= w)):
             continue
-        n_keys = s.context_len - s.prefix_len
+        n_keys = s.context_len - s.first_block * block_size
         dev = meta.slot_mapping.device
-        # Query i sits at position context_len - ql + i and sees keys up to there.
+        # Query i sits at position context_len - ql + i and sees keys up to there (and, in a window,
+        # no further back than window - 1 positions).
         qi = torch.arange(ql, device=dev)[:, None] + (n_keys - ql)
         kj = torch.arange(n_keys, device=dev)[None, :]
-        bias = torch.zeros((ql, n_keys), dtype=dtype, device=dev).masked_fill_(kj > qi, float("-inf"))
+        hidden = kj > qi if w is None else (kj > qi) | (kj <= qi - w)
+        bias = torch.zeros((ql, n_keys), dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
         s.bias = bias.repeat(group, 1)
 
 
@@ -231,17 +255,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if ql == 1:
             continue
         qs = q[s.q_start:s.q_end]
-        if s.context_len == ql:
-            # No cached context (so never in a cascade group): causal attention over the chunk's own
-            # K/V, as computed. No log-sum-exp needed: the public kernel, which is faster here.
+        if s.context_len == ql and s.bias is None:
+            # No cached context (so never in a cascade group) and no window to cut it: causal attention
+            # over the chunk's own K/V, as computed. No log-sum-exp needed: the public kernel, faster here.
             o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k[s.q_start:s.q_end].transpose(0, 1)[None],
                                                v[s.q_start:s.q_end].transpose(0, 1)[None], is_causal=True,
                                                scale=scale, enable_gqa=True)
             out[s.q_start:s.q_end] = o[0].transpose(0, 1)
             continue
-        first = s.prefix_len // k_cache.shape[2]
-        kk = gather_blocks(k_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
-        vv = gather_blocks(v_cache, s.block_ids[first:])[:, :s.context_len - s.prefix_len]
+        first = s.first_block
+        n_keys = s.context_len - first * k_cache.shape[2]
+        kk = gather_blocks(k_cache, s.block_ids[first:])[:, :n_keys]
+        vv = gather_blocks(v_cache, s.block_ids[first:])[:, :n_keys]
         assert s.bias is not None, "plan_masks must run once per step before the forward"
         o, l_ = _flash_lse(qs, kk, vv, scale, s.bias)
         if grouped and s.prefix_len:

@@ -147,7 +147,7 @@ class ModelRunner:
             plan_cascades(meta, bs)
             self.num_cascade_steps += bool(meta.groups)
         plan_decode_batch(meta, bs)
-        plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads)
+        plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), meta)
 
     def allocate_host_cache(self, swap_space: int) -> int:

@@ -12,23 +12,30 @@ from kvpool.runner.attention import (
     plan_cascades,
     plan_decode_batch,
     plan_masks,
+    plan_windows,
 )
 
 BS, HKV, H, D = 4, 2, 4, 8
 
 
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Reference: queries at positions start.. over keys 0..; q (n, H, D), k/v (L, HKV, D)."""
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None) -> torch.Tensor:
+    """Reference: queries at positions start.. over keys 0.. (the last `window` only, when given);
+    q (n, H, D), k/v (L, HKV, D)."""
     g = H // HKV
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = torch.einsum("nhd,lhd->hnl", q, kk) * D ** -0.5
     qi = torch.arange(q.shape[0])[:, None] + start
-    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qi, float("-inf"))
+    kj = torch.arange(k.shape[0])[None, :]
+    s = s.masked_fill(kj > qi, float("-inf"))
+    if window is not None:
+        s = s.masked_fill(kj <= qi - window, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), vv)
 
 
-def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch.dtype = torch.float32):
-    """seqs: (block table, first query position, number of queries); their earlier tokens are cached."""
+def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch.dtype = torch.float32,
+             window: int | None = None):
+    """seqs: (block table, first query position, number of queries); their earlier tokens are cached.
+    With a window, block 0 (the null block) holds NaN: a table entry of 0 must never be read."""
     torch.manual_seed(0)
     nb = 1 + max(max(t) for t, _, _ in seqs)
     kc = torch.zeros(HKV, nb, BS, D, dtype=dtype)
@@ -36,6 +43,9 @@ def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch
     # Fill the cache: content is a function of the physical slot, so shared blocks hold shared K/V.
     kc.normal_()
     vc.normal_()
+    if window is not None:
+        kc[:, 0] = float("nan")
+        vc[:, 0] = float("nan")
     qs, ks, vs, slots, metas, refs = [], [], [], [], [], []
     row = 0
     for table, start, n in seqs:
@@ -51,20 +61,21 @@ def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch
         slots.append(slot)
         metas.append(SeqAttn(row, row + n, start + n, t[: -(-(start + n) // BS)]))
         row += n
-    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=metas)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=metas, window=window)
+    plan_windows(meta, BS)
     if cascade:
         plan_cascades(meta, BS, min_tokens=BS)
     plan_decode_batch(meta, BS)
-    plan_masks(meta, dtype, H // HKV)
+    plan_masks(meta, dtype, H // HKV, BS)
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), kc, vc, meta, D ** -0.5)
     # Reference over the cache as it is after the write.
     for (table, start, n), m in zip(seqs, metas, strict=True):
         t = torch.tensor(table)
         pos = torch.arange(start + n)
-        flat = t[pos // BS] * BS + pos % BS
+        flat = t[pos // BS].clamp(min=1) * BS + pos % BS  # (null entries are outside the window)
         k_all = kc.view(HKV, -1, D)[:, flat].transpose(0, 1)
         v_all = vc.view(HKV, -1, D)[:, flat].transpose(0, 1)
-        refs.append(dense(torch.cat(qs)[m.q_start:m.q_end].float(), k_all.float(), v_all.float(), start))
+        refs.append(dense(torch.cat(qs)[m.q_start:m.q_end].float(), k_all.float(), v_all.float(), start, window))
     return out, torch.cat(refs), meta
 
 
@@ -107,3 +118,21 @@ def test_bf16_close_to_dense() -> None:
     out, ref, meta = run_step(CASES["mixed, with an unrelated fresh prefill"], True, torch.bfloat16)
     assert meta.groups
     torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+
+# Window 6 over blocks of 4: a query at position p sees p-5..p. Table entries of 0 are null blocks the
+# window manager released; they must not be read (they hold NaN here).
+WINDOW_CASES = {
+    "decodes far past the window": [([0, 0, 3, 4, 5], 18, 1), ([0, 0, 11, 7], 13, 1), ([9, 10], 5, 1)],
+    "chunk after a window hit": [([0, 2, 3, 4, 5, 6], 12, 9), ([12, 7, 8, 9], 8, 3), ([0, 0, 13, 14, 15], 14, 3)],
+    "fresh prefill longer than the window": [([2, 3, 4, 5], 0, 15), ([6, 7], 0, 5)],
+    "mixed": [([0, 0, 3, 4, 5], 17, 1), ([6, 7, 8], 0, 11), ([0, 9, 10, 11], 9, 4)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOW_CASES))
+def test_sliding_window_matches_dense(case: str) -> None:
+    out, ref, meta = run_step(WINDOW_CASES[case], cascade=True, window=6)
+    assert not meta.groups  # no cascades over a window
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
