@@ -69,7 +69,8 @@ class LLMEngine:
             num_host = self.runner.allocate_host_cache(config.swap_space_bytes())
         elif num_host:
             self.runner.allocate_host_cache(num_host * self.runner.bytes_per_block)
-        self.kv = KVCacheManager(self.runner.num_blocks, bs, enable_caching=config.enable_prefix_caching,
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, specs=self.runner.kv_cache_specs,
+                                 enable_caching=config.enable_prefix_caching,
                                  enable_kv_events=config.enable_kv_events, num_host_blocks=num_host,
                                  host_eviction=config.host_eviction, write_through=config.write_through)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
@@ -173,9 +174,10 @@ class LLMEngine:
         for s in out.scheduled:
             req = s.request
             end = s.start_pos + s.num_new_tokens
-            steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos,
-                                 self.kv.get_block_ids(req.request_id)[0], end == req.num_tokens,
-                                 req.sampling_params, self._generators.get(req.request_id)))
+            tables = self.kv.get_block_ids(req.request_id)
+            steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
+                                 end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
+                                 tables if len(tables) > 1 else None))
         return steps
 
     def _detokenize(self, req: Request) -> str:

@@ -32,6 +32,11 @@ class LlamaArch:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    sliding_window: int | None = None  # every layer attends to this many recent positions (Mistral)
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        return [self.sliding_window] * self.num_layers
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArch:
@@ -44,15 +49,20 @@ class LlamaArch:
             raise ValueError(f"config.rope_parameters: rope_type {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
+        max_position = cfg.get("max_position_embeddings", 2048)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if window is not None and cfg.get("model_type") == "qwen2":
+            raise ValueError("config.use_sliding_window: Qwen2's per-layer windows are not supported")
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            max_position=cfg.get("max_position_embeddings", 2048),
+            max_position=max_position,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            sliding_window=window if window and window < max_position else None,
         )
 
 
@@ -153,10 +163,13 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """`meta`: one for all layers, or one per layer (each layer's KV cache group has its own)."""
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv, meta)
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
+        for layer, kv, m in zip(self.layers, kv_caches, metas, strict=True):
+            x = layer(x, positions, self.rotary, kv, m)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

