@@ -105,6 +105,12 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_position: int) -> None:
         super().__init__()
+        self.head_dim, self.theta, self.max_position = head_dim, theta, max_position
+        self.reset()
+
+    def reset(self) -> None:
+        """(Re)compute the angle tables (a model built on the meta device has none)."""
+        head_dim, theta, max_position = self.head_dim, self.theta, self.max_position
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv)

@@ -26,8 +26,9 @@ from kvpool.runner.attention import (
     plan_masks,
     plan_windows,
 )
+from kvpool.runner.gemma3 import Gemma3Arch, Gemma3ForCausalLM
 from kvpool.runner.layer_layout import LayerLayout
-from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, can_pack
+from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
+GEMMA3_ARCHS = {"gemma3_text"}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -60,19 +62,27 @@ class SeqStep:
     group_block_ids: tuple[list[int], ...] | None = None
 
 
-def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
+    """The model of a local Hugging Face folder, its weights loaded (Llama family or Gemma-3 text)."""
     from safetensors import safe_open
 
     cfg = json.loads((model_dir / "config.json").read_text())
     mtype = cfg.get("model_type")
-    if mtype not in SUPPORTED_ARCHS:
-        raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
-    arch = LlamaArch.from_hf_config(cfg)
+    if mtype in SUPPORTED_ARCHS:
+        arch: LlamaArch = LlamaArch.from_hf_config(cfg)
+        cls: type[LlamaForCausalLM] = LlamaForCausalLM
+    elif mtype in GEMMA3_ARCHS:
+        arch, cls = Gemma3Arch.from_hf_config(cfg), Gemma3ForCausalLM
+    else:
+        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS)
+        raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {supported})")
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch)
+        model = cls(arch)  # type: ignore[arg-type]
     model = model.to_empty(device=device)
-    model.rotary.__init__(arch.head_dim, arch.rope_theta, arch.max_position)  # buffers lost on meta
-    model.rotary.to(device)
+    rotaries = [m for m in model.modules() if isinstance(m, Rotary)]
+    for r in rotaries:
+        r.reset()  # buffers computed on the meta device are lost
+        r.to(device)
 
     def tensors():
         for f in sorted(model_dir.glob("*.safetensors")):
@@ -82,7 +92,8 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
 
     model.load_weights(tensors())
     model.to(dtype)
-    model.rotary.to(torch.float32)  # the angle tables stay fp32; cast per use
+    for r in rotaries:
+        r.to(torch.float32)  # the angle tables stay fp32; cast per use
     model.eval()
     if can_pack(dtype, device):
         model.pack_linears()
@@ -97,7 +108,7 @@ class ModelRunner:
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype)
         t0 = time.perf_counter()
-        self.model, self.hf_config = load_llama(model_dir, self.dtype, self.device)
+        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         arch = self.model.arch
         self.arch = arch
         self.block_size = block_size
