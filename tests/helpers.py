@@ -58,6 +58,16 @@ def make_request(rid: str, tokens: list[int], block_size: int, **kw: object) -> 
 TINY_VOCAB = 256
 
 
+def make_tiny_model(path: Path, config_cls: str, model_cls: str, seed: int = 0, **cfg: object) -> Path:
+    """A random-weight transformers model of the given classes, saved as a local folder."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg))
+    model.save_pretrained(path)
+    return path
+
+
 def make_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -26,6 +26,11 @@ class KVCacheSpec:
         """Bytes of one block of one layer: K and V for block_size tokens."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
+    def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
+        """Most blocks a request of `num_tokens` holds at once, computed in chunks of at most
+        `chunk_tokens`: what admission control needs to know that a request fits the pool alone."""
+        return -(-num_tokens // self.block_size)
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -42,6 +47,11 @@ class SlidingWindowSpec(KVCacheSpec):
         super().__post_init__()
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window: must be >= 1, got {self.sliding_window}")
+
+    def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
+        # The window before a chunk's first token, the chunk itself, and one block of misalignment.
+        bound = self.window_blocks + 1 + -(-chunk_tokens // self.block_size)
+        return min(-(-num_tokens // self.block_size), bound)
 
     @property
     def window_blocks(self) -> int:

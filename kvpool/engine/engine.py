@@ -60,10 +60,8 @@ class LLMEngine:
                                   kv_cache_memory=config.kv_cache_bytes(), device=config.device,
                                   num_blocks=config.num_blocks)
         bs = config.block_size
-        # A request must fit the pool alone, so it can always finish once the others are preempted.
-        capacity = (self.runner.num_blocks - 1) * bs
-        self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len,
-                                 capacity)
+        self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
+        self.max_model_len = self._longest_fitting_request(self.max_model_len)
         num_host = config.num_host_blocks
         if num_host is None:
             num_host = self.runner.allocate_host_cache(config.swap_space_bytes())
@@ -82,6 +80,24 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._decoders: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
         self._ids = itertools.count()
+
+    def _longest_fitting_request(self, limit: int) -> int:
+        """A request must fit the pool alone, so it can always finish once the others are preempted: the
+        longest that does, over every KV cache group (sliding-window groups hold only their window)."""
+        usable = self.runner.num_blocks - 1  # block 0 is the null block
+        chunk = self.config.max_num_batched_tokens
+        specs = self.runner.kv_cache_specs
+
+        def fits(n: int) -> bool:
+            return sum(s.max_blocks_held(n, chunk) for s in specs) <= usable
+
+        lo, hi = 0, limit
+        while lo < hi:  # the largest n <= limit that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        if lo < 2:
+            raise ValueError(f"kv_cache_memory: {self.runner.num_blocks} blocks cannot hold even a 2-token request")
+        return lo
 
     # -- requests --------------------------------------------------------------------------------------
 

@@ -1,0 +1,90 @@
+"""Models whose layers differ, on the hybrid allocator, token for token against transformers: a
+Mistral-style model (every layer a sliding window: one group that keeps only the window's blocks) and
+Gemma-3 (five sliding layers per full one: a full group and sliding groups in one pool). Exact with
+prefix caching on and off, chunked prefill, and a pool small enough to evict and preempt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import TINY_VOCAB, hf_greedy, make_tiny_model
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+
+WINDOW = 24
+COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, eos_token_id=None,
+              bos_token_id=None, pad_token_id=None, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "MistralConfig", "MistralForCausalLM",
+                           num_hidden_layers=2, tie_word_embeddings=False, **COMMON)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "Gemma3TextConfig", "Gemma3ForCausalLM",
+                           num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"], **COMMON)
+
+
+# Shared prefixes longer than the window, so hits must rely on the window's blocks only.
+PREFIX = [(7 * i + 3) % TINY_VOCAB for i in range(70)]
+PROMPTS = [[*PREFIX, 11, 12, 13], [*PREFIX, 21, 22], PREFIX[:40] + [5] * 9, [9] * 30]
+N_OUT = 20
+
+SETTINGS = {
+    "caching": dict(num_blocks=200),
+    "no caching": dict(num_blocks=200, enable_prefix_caching=False),
+    "chunked": dict(num_blocks=200, max_num_batched_tokens=16),
+    "small pool": dict(max_num_batched_tokens=32),  # num_blocks per model: SMALL_POOL
+}
+# Just over what the longest request (93 tokens) holds alone: requests together must evict and preempt.
+SMALL_POOL = {"mistral": 18, "gemma3": 24 + 5 * 15 + 4}
+
+
+@pytest.fixture(scope="module")
+def references(mistral_dir: Path, gemma3_dir: Path) -> dict[str, list[list[int]]]:
+    return {"mistral": hf_greedy(mistral_dir, PROMPTS, N_OUT), "gemma3": hf_greedy(gemma3_dir, PROMPTS, N_OUT)}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("model", ["mistral", "gemma3"])
+def test_greedy_tokens_equal_transformers(model: str, setting: str, request: pytest.FixtureRequest,
+                                          references: dict[str, list[list[int]]]) -> None:
+    path = request.getfixturevalue(f"{model}_dir")
+    kw = dict(SETTINGS[setting])
+    kw.setdefault("num_blocks", SMALL_POOL[model])
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=4, **kw)
+    # One at a time first (later prompts hit earlier ones' blocks), then all together.
+    alone = [llm.generate([p], SamplingParams.greedy(N_OUT), use_tqdm=False)[0] for p in PROMPTS]
+    together = llm.generate(PROMPTS, SamplingParams.greedy(N_OUT), use_tqdm=False)
+    assert [o.token_ids for o in alone] == references[model]
+    assert [o.token_ids for o in together] == references[model]
+    llm.engine.kv.check_integrity()
+    if setting == "small pool":
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+    if setting == "caching":
+        # The second prompt shares 70 tokens with the first: 17 full blocks of 4 are a hit in every
+        # group (the sliding groups need only the last ceil(23/4) = 6 blocks before the hit point).
+        assert alone[1].num_cached_tokens == 68
+        assert alone[2].num_cached_tokens == 40
+
+
+def test_sliding_groups_hold_only_the_window(gemma3_dir: Path) -> None:
+    llm = LLM(str(gemma3_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=200)
+    eng = llm.engine
+    assert [type(s).__name__ for s in eng.kv.specs] == ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 5
+    eng.add_request(PREFIX + [1] * 30, SamplingParams.greedy(5), request_id="r")
+    eng.step()  # the whole 100-token prompt in one step
+    eng.step()  # one decode: out-of-window blocks are released as the table grows
+    tables = eng.kv.get_block_ids("r")
+    assert len(tables[0]) == 26 and 0 not in tables[0]  # full attention keeps every block
+    for t in tables[1:]:  # position 100 sees 77..100: blocks 19..25, the rest is the null block
+        assert t[:19] == [0] * 19 and 0 not in t[19:] and len(t) == 26
+    used = eng.kv.block_pool.num_usable_blocks - eng.kv.get_num_free_blocks()
+    assert used == 26 + 5 * 7
