@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import logging
 import math
 import sys
 import time
@@ -427,6 +428,8 @@ def render(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     base = base_url_of(a)
+    # httpx logs every request at INFO, which would bury the table.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     _need(a.endpoint.startswith("/"), "endpoint", f"must start with '/', got {a.endpoint!r}")
     reqs = build_requests(a)
     offsets = arrival_offsets(len(reqs), a.request_rate, a.seed, a.burstiness)
