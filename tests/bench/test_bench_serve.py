@@ -25,6 +25,7 @@ from starlette.routing import Route
 from kvpool.bench.serve import (
     BenchRequest,
     arrival_offsets,
+    base_url_of,
     build_requests,
     check_loopback,
     prefix_cache_counters,
@@ -206,15 +207,16 @@ def test_latencies_follow_the_servers_delays(stub: Stub) -> None:
     out = asyncio.run(run_benchmark(stub.base, "/v1/completions", None, reqs, np.zeros(4), 2, 30.0))
     res = summarize(out["results"], out["duration"], out["metrics_before"], out["metrics_after"], [5] * 4)
     assert (res["completed"], res["failed"], res["total_output_tokens"]) == (4, 0, 20)
-    # Lower bounds are the stub's sleeps; the upper slack absorbs a loaded 2-core machine.
-    assert 80 <= res["ttft_mean_ms"] < 160 and 80 <= res["ttft_median_ms"] < 160
-    assert 30 <= res["tpot_mean_ms"] < 55
-    assert 30 <= res["itl_median_ms"] < 55 and len([g for r in out["results"] for g in r.itl]) == 4 * 4
-    assert 80 + 4 * 30 <= res["e2el_mean_ms"] < 300
+    # Lower bounds are the stub's sleeps; the upper slack absorbs a loaded 2-core machine, yet stays below
+    # the 280 ms the second pair would show if its wait for a concurrency slot counted as TTFT.
     ok = out["results"]
+    assert all(80 <= r.ttft * 1e3 < 200 for r in ok) and 80 <= res["ttft_mean_ms"] < 200
+    assert 30 <= res["tpot_mean_ms"] < 70
+    assert 30 <= res["itl_median_ms"] < 70 and len([g for r in ok for g in r.itl]) == 4 * 4
+    assert 80 + 4 * 30 <= res["e2el_mean_ms"] < 450
     assert res["tpot_mean_ms"] == pytest.approx(np.mean([(r.latency - r.ttft) / 4 * 1e3 for r in ok]))
     # Two at a time: the second pair starts when the first ends, so the run lasts about two requests.
-    assert 2 * 0.2 <= out["duration"] < 0.8 and stub.state.max_in_flight == 2
+    assert 2 * 0.2 <= out["duration"] < 1.2 and stub.state.max_in_flight == 2
 
 
 def test_concurrency_limit_and_unbounded_burst(stub: Stub) -> None:
@@ -278,6 +280,8 @@ def test_only_loopback_targets(capsys: pytest.CaptureFixture[str]) -> None:
                 "http://[2001:db8::1]:80", "ftp://127.0.0.1"):
         with pytest.raises(ValueError, match="base_url"):
             check_loopback(bad)
+    assert base_url_of(parse("--host", "::1", "--port", "9")) == "http://[::1]:9"
+    assert base_url_of(parse("--base-url", "http://localhost:8000/")) == "http://localhost:8000"
     assert main(bench_args("--host", "8.8.8.8")) == 2
     assert main(bench_args("--base-url", "http://10.1.2.3:8000")) == 2
     err = capsys.readouterr().err
