@@ -16,11 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from kvpool.bench.serve import (
     BenchRequest,
@@ -64,7 +62,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def make_stub_app(state: StubState) -> Starlette:
+def make_stub_app(state: StubState) -> FastAPI:
     """A stub of the OpenAI completions contract, only for testing the benchmark client: no model behind it.
 
     It streams one chunk per requested token (" tok") after `first_delay`, then one every `gap` seconds,
@@ -116,8 +114,11 @@ def make_stub_app(state: StubState) -> Starlette:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
-                             Route("/v1/completions", completions, methods=["POST"])])
+    app = FastAPI()
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    return app
 
 
 @dataclass
