@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     bm = bsub.add_parser("multiturn", help="multi-turn chats: device-only vs device + host tier, and the ceiling")
     multiturn.add_arguments(bm)
     add_engine_arguments(bm)
+    from kvpool.bench import serve as bench_serve
+
+    bench_serve.add_arguments(bsub.add_parser("serve", help="load-test an OpenAI-compatible server on this machine"))
     return p
 
 
@@ -112,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvpool.bench import prefix
 
             prefix.run(args, engine_kwargs(args))
+        elif args.command == "bench" and args.bench == "serve":
+            from kvpool.bench import serve as bench_serve
+
+            bench_serve.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvpool: error: {e}", file=sys.stderr)
         return 2
