@@ -62,6 +62,11 @@ class BlockPool:
         """ref_cnt -= 1; blocks reaching 0 become free, in the given order (first evicted first)."""
         raise NotImplementedError
 
+    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        """Like `free_blocks`, but blocks reaching 0 go to the front of the eviction order, cached or not,
+        in the given order (the first is evicted first): content a later hit is unlikely to use."""
+        raise NotImplementedError
+
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (next evicted first)."""
         raise NotImplementedError
@@ -225,5 +230,16 @@ class DeviceBlockPool(BlockPool):
                     q.append(blk)
                 else:
                     q.appendleft(blk)
+            elif blk.ref_cnt < 0:
+                raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
+
+    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        q = self.free_block_queue
+        for blk in reversed(ordered_blocks):  # appendleft reverses: the first given ends up first
+            if blk.is_null:
+                continue
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                q.appendleft(blk)
             elif blk.ref_cnt < 0:
                 raise AssertionError(f"block {blk.block_id} freed more often than it was taken")

@@ -16,7 +16,12 @@ from kvpool.core.events import KVCacheEvent
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kvpool.core.request import CacheRequest
-from kvpool.core.single_type_manager import FullAttentionManager, SingleTypeKVCacheManager, make_manager
+from kvpool.core.single_type_manager import (
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    make_manager,
+)
 from kvpool.core.stats import PrefixCacheStats
 from kvpool.core.swap import SwapPlan, SwapStats
 
@@ -73,6 +78,7 @@ class KVCacheManager:
         self.managers: list[SingleTypeKVCacheManager] = [
             make_manager(s, self.block_pool, g) for g, s in enumerate(self.specs)]
         self.num_groups = len(self.managers)
+        self._has_state_groups = any(isinstance(m, MambaManager) for m in self.managers)
         # The hot path serves one full-attention group; other layer types release blocks as they go.
         self._single = self.managers[0] if self.num_groups == 1 and isinstance(self.managers[0],
                                                                                FullAttentionManager) else None
@@ -122,7 +128,7 @@ class KVCacheManager:
             blocks = KVCacheBlocks((hit,), host_hit)
         else:
             hits = self._hybrid_hit(request.block_hashes, max_blocks)
-            num_hit = len(hits[0]) * self.block_size
+            num_hit = max(len(h) for h in hits) * self.block_size
             blocks = KVCacheBlocks(hits)
         self.stats.record(num_tokens, num_hit)
         self._interval_stats.record(num_tokens, num_hit)
@@ -132,15 +138,20 @@ class KVCacheManager:
         """The longest prefix every group accepts.
 
         A full-attention hit of n blocks is a hit for any shorter length, but a sliding-window hit is
-        not (the window before a shorter point may be gone): so shrink to the shortest group's answer
-        and ask again, until all agree. Never 0 when some length is valid for all.
+        not (the window before a shorter point may be gone) and a Mamba hit exists only at a boundary
+        whose state is cached. Each group answers with the longest length it accepts up to a limit, so
+        shrink the limit to the shortest answer and ask again until all agree: the lengths only
+        decrease, and the first length all accept is the largest valid for all (never 0 when some
+        length is valid for all). Groups that are never looked up by hash (cross-attention) do not
+        take part.
         """
         n = max_blocks
+        caching = [m for m in self.managers if m.caches_prefix]
         while True:
-            hits = tuple(m.find_longest_cache_hit(block_hashes, n) for m in self.managers)
-            shortest = min(len(h) for h in hits)
-            if all(len(h) == shortest for h in hits):
-                return hits
+            hits = {m.group_id: m.find_longest_cache_hit(block_hashes, n) for m in caching}
+            shortest = min((len(h) for h in hits.values()), default=0)
+            if all(len(h) == shortest for h in hits.values()):
+                return tuple(hits.get(m.group_id, []) for m in self.managers)
             n = shortest
 
     def allocate_slots(
@@ -183,6 +194,8 @@ class KVCacheManager:
                         self._write_through(table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
+        if num_lookahead_tokens and self._has_state_groups:
+            raise ValueError("num_lookahead_tokens: Mamba layers cannot hold speculative tokens")
         # Blocks that slid out of a window: released only if the allocation goes ahead (a failed one
         # changes nothing), but counted as free space when they are this request's alone.
         skipped = [m.skipped_blocks(rid, request.num_computed_tokens) for m in managers]
@@ -192,22 +205,20 @@ class KVCacheManager:
         # Host hits need device blocks too: they are among the blocks the token count requires.
         need = 0
         for g, m in enumerate(managers):
-            need += m.get_num_blocks_to_allocate(rid, num_slots, hits[g])
+            need += m.get_num_blocks_to_allocate(rid, m.num_slots(request, num_slots), hits[g])
         if need > self.block_pool.get_num_free_blocks() + releasable:
             return None
         new: list[list[KVCacheBlock]] = []
         for g, m in enumerate(managers):
             m.remove_skipped_blocks(rid, skipped[g])
-            m.save_new_computed_blocks(rid, hits[g])
+            m.save_new_computed_blocks(rid, hits[g], request.num_prompt_tokens)
             if host_hits:
                 self._swap_in(rid, m, host_hits)
-            new.append(m.allocate_new_blocks(rid, num_slots))
+            new.append(m.allocate_new_blocks(rid, m.num_slots(request, num_slots)))
         if self.enable_caching:
-            n_hashed = len(request.block_hashes) * self.block_size
-            cache_upto = num_tokens if num_tokens < n_hashed else n_hashed
             for m in managers:
                 before = m.num_cached_block[rid]
-                m.cache_blocks(request, cache_upto)
+                m.cache_blocks(request, num_tokens)  # each type caps it at the hashed blocks
                 if self.write_through and self.host_pool is not None:
                     self._write_through(m.req_to_blocks[rid][before:m.num_cached_block[rid]])
         return KVCacheBlocks(tuple(new))
