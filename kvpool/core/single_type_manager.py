@@ -9,8 +9,9 @@ Eviction preferences (the RFC's per-type LRU tags): when a sliding-window or Mam
 blocks, those a later hit can use go to the tail of the free queue (evicted last, as usual for cached
 blocks); the rest go to the front, cached or not. "Usable" means: within the window before (or, for
 Mamba, the state at) a boundary that matters: the request's own hit point (another request reached
-it already), the last boundary of its prompt (the same prompt again) and, when the request is freed,
-its end (a multi-turn continuation).
+it already), the last boundaries of its prompt (a longer prompt starting with it, or the same prompt
+again, whose last token is recomputed) and, when the request is freed, its end (a multi-turn
+continuation).
 """
 
 from __future__ import annotations
@@ -143,9 +144,10 @@ class _AnchoredManager(SingleTypeKVCacheManager):
         self.anchors: dict[str, tuple[int, ...]] = {}
 
     def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int) -> None:
-        # The last hit point a repeat of the prompt can have: the last token is always recomputed.
-        prompt_end = max(0, num_prompt_tokens - 1) // self.block_size
-        self.anchors[request_id] = (num_hit_blocks, prompt_end)
+        # The prompt's end (a later prompt extending it) and the last hit point a repeat of the prompt
+        # can have (its last token is always recomputed).
+        bs = self.block_size
+        self.anchors[request_id] = (num_hit_blocks, num_prompt_tokens // bs, max(0, num_prompt_tokens - 1) // bs)
 
     def keeps(self, index: int, boundaries: Sequence[int]) -> bool:
         """Whether block `index` is what a hit at one of `boundaries` needs."""
