@@ -15,8 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpool.core.block import group_key
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
-from kvpool.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from kvpool.core.kv_cache_spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvpool.core.request import CacheRequest
+from kvpool.core.single_type_manager import MambaManager
 
 BS = 4
 PREFIXES = [list(range(1000, 1012)), list(range(2000, 2006)), [*range(1000, 1008), 5, 5]]
@@ -111,6 +112,14 @@ class PoolMachine(RuleBasedStateMachine):
         for m in self.mgr.managers:
             for rid, (start, end) in self.scheduled.items():
                 req, table = self.running[rid], m.req_to_blocks[rid]
+                if isinstance(m, MambaManager):
+                    # Only the page of the last scheduled token receives a state: a block's key only
+                    # when the tokens ended exactly on its boundary.
+                    last = -(-end // BS) - 1
+                    on_boundary = end % BS == 0 and last < len(req.block_hashes)
+                    self.dev[table[last].block_id] = (group_key(req.block_hashes[last], m.group_id) if on_boundary
+                                                      else ("state", rid, end, m.group_id))
+                    continue
                 for i in range(start // BS, -(-end // BS)):
                     content = (group_key(req.block_hashes[i], m.group_id) if i < len(req.block_hashes)
                                else ("part", rid, i, m.group_id))
@@ -170,6 +179,16 @@ class HybridMachine(PoolMachine):
         return KVCacheManager(num_blocks=24, block_size=BS, specs=specs)
 
 
+class MambaHybridMachine(PoolMachine):
+    """Full attention, sliding window and Mamba state groups in one pool (Mamba pages hold a state at
+    a block boundary; the content model labels the page receiving it with that block's key)."""
+
+    def make_manager(self) -> KVCacheManager:
+        specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6),
+                 MambaSpec(block_size=BS, state_shapes=((2, 3),), state_dtype_bytes=(2,))]
+        return KVCacheManager(num_blocks=30, block_size=BS, specs=specs)
+
+
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestHostTier = HostTierMachine.TestCase
@@ -178,3 +197,5 @@ TestArcHostTier = ArcHostTierMachine.TestCase
 TestHybrid = HybridMachine.TestCase
 TestHybrid.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestArcHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestMambaHybrid = MambaHybridMachine.TestCase
+TestMambaHybrid.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
