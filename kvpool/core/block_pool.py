@@ -167,6 +167,10 @@ class BlockPool:
                 assert b.block_id in free_set, f"block {b.block_id} has ref_cnt 0 but is not free"
             else:
                 assert b.block_id not in free_set, f"block {b.block_id} is free and in use"
+        self.check_map()
+
+    def check_map(self) -> None:
+        """Every map entry points at a block carrying its hash, and every carried hash is mapped."""
         holders: dict[BlockHash, list[KVCacheBlock]] = {}
         for b in self.blocks:
             if b.block_hash is not None:

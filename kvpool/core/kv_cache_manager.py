@@ -24,6 +24,7 @@ from kvpool.core.single_type_manager import (
 )
 from kvpool.core.stats import PrefixCacheStats
 from kvpool.core.swap import SwapPlan, SwapStats
+from kvpool.core.two_level_pool import TwoLevelBlockPool
 
 
 class KVCacheBlocks:
@@ -59,6 +60,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_kv_events: bool = False,
         specs: Sequence[KVCacheSpec] | None = None,
+        page_sizes: Sequence[int] | None = None,
         block_pool: BlockPool | None = None,
         num_host_blocks: int = 0,
         host_eviction: str = "lru",
@@ -72,11 +74,19 @@ class KVCacheManager:
         for s in self.specs:
             if s.block_size != block_size:
                 raise ValueError(f"specs: block_size {s.block_size} differs from the manager's {block_size}")
-        self.block_pool = block_pool or DeviceBlockPool(num_blocks, enable_caching=enable_caching,
-                                                        enable_kv_events=enable_kv_events)
+        if page_sizes is not None and len(page_sizes) != len(self.specs):
+            raise ValueError(f"page_sizes: {len(page_sizes)} sizes for {len(self.specs)} groups")
+        self._two_level: TwoLevelBlockPool | None = None
+        if block_pool is None and page_sizes is not None and len(set(page_sizes)) > 1:
+            # Pages of different sizes: num_blocks counts large pages (see two_level_pool).
+            self._two_level = TwoLevelBlockPool(num_blocks, page_sizes, enable_caching=enable_caching,
+                                                enable_kv_events=enable_kv_events)
+        self.block_pool = block_pool or self._two_level or DeviceBlockPool(
+            num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events)
         self.num_blocks = self.block_pool.num_blocks
         self.managers: list[SingleTypeKVCacheManager] = [
-            make_manager(s, self.block_pool, g) for g, s in enumerate(self.specs)]
+            make_manager(s, self._two_level.view(g) if self._two_level else self.block_pool, g)
+            for g, s in enumerate(self.specs)]
         self.num_groups = len(self.managers)
         self._has_state_groups = any(isinstance(m, MambaManager) for m in self.managers)
         # The hot path serves one full-attention group; other layer types release blocks as they go.
@@ -203,18 +213,22 @@ class KVCacheManager:
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty.blocks
         host_hits = new_computed_blocks.host_blocks if new_computed_blocks is not None else []
         # Host hits need device blocks too: they are among the blocks the token count requires.
-        need = 0
-        for g, m in enumerate(managers):
-            need += m.get_num_blocks_to_allocate(rid, m.num_slots(request, num_slots), hits[g])
-        if need > self.block_pool.get_num_free_blocks() + releasable:
+        need = [m.get_num_blocks_to_allocate(rid, m.num_slots(request, num_slots), hits[g])
+                for g, m in enumerate(managers)]
+        if self._two_level is not None:
+            if not self._two_level.can_allocate(need, skipped, hits):
+                return None
+        elif sum(need) > self.block_pool.get_num_free_blocks() + releasable:
             return None
-        new: list[list[KVCacheBlock]] = []
+        # Every group releases, then every group takes its hits, then every group allocates: a group's
+        # new blocks must neither miss the room another group frees nor evict another group's hit.
         for g, m in enumerate(managers):
             m.remove_skipped_blocks(rid, skipped[g])
+        for g, m in enumerate(managers):
             m.save_new_computed_blocks(rid, hits[g], request.num_prompt_tokens)
             if host_hits:
                 self._swap_in(rid, m, host_hits)
-            new.append(m.allocate_new_blocks(rid, m.num_slots(request, num_slots)))
+        new = [m.allocate_new_blocks(rid, m.num_slots(request, num_slots)) for m in managers]
         if self.enable_caching:
             for m in managers:
                 before = m.num_cached_block[rid]
@@ -317,17 +331,17 @@ class KVCacheManager:
                 pins[b.block_id] = pins.get(b.block_id, 0) + 1
             for b in self.host_pool.blocks:
                 assert b.ref_cnt == pins.get(b.block_id, 0), f"host block {b.block_id}: pins disagree"
-        holders: dict[int, int] = {}
+        holders: dict[int, int] = {}  # by object: with two-level pages each type has its own block ids
         for m in self.managers:
             for rid, blocks in m.req_to_blocks.items():
                 assert m.num_cached_block[rid] <= len(blocks), f"{rid}: more cached blocks than blocks"
                 for b in blocks:
                     if not b.is_null:
-                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                        holders[id(b)] = holders.get(id(b), 0) + 1
         for b in self.block_pool.blocks:
             if not b.is_null:
-                assert b.ref_cnt == holders.get(b.block_id, 0), (
-                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {holders.get(b.block_id, 0)}")
+                assert b.ref_cnt == holders.get(id(b), 0), (
+                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {holders.get(id(b), 0)}")
 
     def _empty_blocks(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in self.managers))
