@@ -213,7 +213,7 @@ class TwoLevelBlockPool:
                     old._uncache(b)
                 old.stamp[b.block_id] = 0
         self.owner[lp] = pool.type_id
-        for b in pool.pages_of(lp):
+        for b in reversed(pool.pages_of(lp)):  # ascending ids at the head
             pool.free_block_queue.appendleft(b)
 
     def can_allocate(self, need: Sequence[int], skipped: Sequence[Sequence[KVCacheBlock]],
