@@ -275,3 +275,35 @@ def test_sliding_window_keeps_the_window_before_boundaries_that_matter() -> None
     free = mgr.block_pool.free_block_ids()
     assert free[:3] == [3, 4, 9] and free[-3:] == [7, 5, 6]
     mgr.check_integrity()
+
+
+# -- several groups in one allocation --------------------------------------------------------------------
+
+
+def test_a_group_may_use_the_room_a_later_group_releases() -> None:
+    mgr = KVCacheManager(11, BS, specs=[FULL, SW])  # 10 usable blocks
+    a = make_request("a", list(range(20)), BS)
+    assert mgr.allocate_slots(a, 20) is not None
+    a.num_computed_tokens = 20
+    assert mgr.get_block_ids("a") == ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]) and mgr.get_num_free_blocks() == 0
+    a.append_output_token_ids(1)
+    # Full attention needs a block before the window group has released its old ones: all release first.
+    assert mgr.allocate_slots(a, 1) is not None
+    assert mgr.get_block_ids("a") == ([1, 2, 3, 4, 5, 6], [0, 0, 0, 9, 10, 7])
+    mgr.check_integrity()
+
+
+def test_a_group_never_evicts_a_hit_another_group_is_about_to_take() -> None:
+    mgr = KVCacheManager(9, BS, specs=[FULL, SW])
+    a, c = make_request("a", list(range(8)), BS), make_request("c", list(range(50, 58)), BS)
+    assert mgr.allocate_slots(a, 8) is not None and mgr.allocate_slots(c, 8) is not None
+    mgr.free(a)
+    mgr.free(c)
+    assert mgr.block_pool.free_block_ids() == [2, 1, 3, 4, 6, 5, 7, 8]
+    b = make_request("b", list(range(9)), BS)
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 8 and hit.get_block_ids() == ([1, 2], [3, 4])
+    assert mgr.allocate_slots(b, 1, n, hit) is not None
+    # The window group's hits (3, 4) were at the head of the free queue: taken before any allocation.
+    assert mgr.get_block_ids("b") == ([1, 2, 6], [3, 4, 5])
+    mgr.check_integrity()
