@@ -76,10 +76,12 @@ class SmallPagePool(BlockPool):
                 parent.take_large_page(self)
             elif parent.spare > 0:
                 head = next(iter(q))
+                stamp = self.stamp[head.block_id]
                 oldest = parent.oldest_parked_recency()
-                if head.block_hash is not None and oldest is not None and oldest < self.stamp[head.block_id]:
+                if stamp > 0 and oldest is not None and oldest < stamp:
                     # One LRU over all types: a wholly free large page used less recently than this
-                    # type's next victim goes first.
+                    # type's next victim goes first (unless the victim was released to the front:
+                    # then it goes first, and the type's large pages stay packed).
                     parent.spare -= 1
                     parent.take_large_page(self)
             blk = q.popleft()
