@@ -102,6 +102,9 @@ class KVCacheManager:
         if num_host_blocks > 0 and enable_caching:
             if self.num_groups > 1:
                 raise ValueError("num_host_blocks: the host tier supports one layer group for now")
+            if not isinstance(self.managers[0], FullAttentionManager):
+                # Its lookup continues a chain of consecutive blocks: full attention's hit rule only.
+                raise ValueError("num_host_blocks: the host tier supports full-attention layers only for now")
             self.host_pool = HostBlockPool(num_host_blocks, eviction=host_eviction,
                                            enable_kv_events=enable_kv_events)
             self.block_pool.eviction_listeners.append(self._shelter)

@@ -66,6 +66,8 @@ def test_page_sizes_follow_the_layer_shape() -> None:
     (lambda: CacheRequest("r", [1], num_encoder_tokens=-1), "num_encoder_tokens: must be an int >= 0, got -1"),
     (lambda: group_layers([]), "layer_specs: a model needs at least one layer"),
     (lambda: group_layers([FULL, FullAttentionSpec(block_size=8)]), "layer_specs: all layers need one block_size"),
+    (lambda: KVCacheManager(8, BS, specs=[MAMBA], num_host_blocks=4),
+     "num_host_blocks: the host tier supports full-attention layers only for now"),
 ])
 def test_bad_specs_name_the_field(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
