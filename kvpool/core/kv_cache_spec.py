@@ -42,11 +42,6 @@ class KVCacheSpec:
         """Bytes of one block of one layer: K and V for block_size tokens."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
-    @property
-    def kind(self) -> str:
-        """The layer type's name; layers are grouped by (kind, spec)."""
-        return type(self).__name__
-
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):

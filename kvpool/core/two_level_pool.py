@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 from kvpool.core.block import KVCacheBlock
 from kvpool.core.block_pool import BlockPool
-from kvpool.core.events import KVCacheEvent
+from kvpool.core.events import AllBlocksCleared, KVCacheEvent
 from kvpool.core.free_queue import FreeBlockQueue
 
 _UNOWNED_RECENCY = -1  # unowned large pages are taken before any owned one (they hold nothing)
@@ -292,6 +292,8 @@ class TwoLevelBlockPool:
                 b.block_hash = None
             t.cached.clear()
             t._dups.clear()
+            if t.enable_kv_events:
+                t.events.append(AllBlocksCleared(medium=t.medium))
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
