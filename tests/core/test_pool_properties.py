@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpool.core.block import group_key
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
-from kvpool.core.kv_cache_spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvpool.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvpool.core.request import CacheRequest
 from kvpool.core.single_type_manager import MambaManager
 
@@ -27,6 +27,8 @@ class PoolMachine(RuleBasedStateMachine):
     """Engine-shaped steps: requests are scheduled (admitted, or advanced by a chunk or a decoded
     token) at most once per step, finished only between steps, and `end_step` runs the step's swap
     plan and forward on a content model, so a block labelled with a hash must really hold it."""
+
+    num_encoder_tokens = 0
 
     def make_manager(self) -> KVCacheManager:
         return KVCacheManager(num_blocks=12, block_size=BS)
@@ -54,7 +56,8 @@ class PoolMachine(RuleBasedStateMachine):
         if not tokens:
             tokens = [1]
         self.n += 1
-        self.waiting.append(CacheRequest(f"r{self.n}", tokens, hasher=self.hasher))
+        self.waiting.append(CacheRequest(f"r{self.n}", tokens, hasher=self.hasher,
+                                         num_encoder_tokens=self.num_encoder_tokens))
 
     @precondition(lambda self: self.waiting)
     @rule(chunk=st.integers(1, 20))
@@ -112,6 +115,8 @@ class PoolMachine(RuleBasedStateMachine):
         for h, d in plan.swap_in:
             self.dev[(id(self.mgr.block_pool), d)] = self.host.get(h)
         for m in self.mgr.managers:
+            if not m.caches_prefix:
+                continue  # encoder KV: written once, never looked up
             for rid, (start, end) in self.scheduled.items():
                 req, table = self.running[rid], m.req_to_blocks[rid]
                 if isinstance(m, MambaManager):
@@ -204,6 +209,17 @@ class TwoLevelMachine(PoolMachine):
         return KVCacheManager(num_blocks=8, block_size=BS, specs=specs, page_sizes=[2, 2, 3])
 
 
+class CrossAttentionMachine(PoolMachine):
+    """Cross-attention (5 encoder tokens per request), full attention and a window, pages of 3, 2, 2."""
+
+    num_encoder_tokens = 5
+
+    def make_manager(self) -> KVCacheManager:
+        specs = [CrossAttentionSpec(block_size=BS), FullAttentionSpec(block_size=BS),
+                 SlidingWindowSpec(block_size=BS, sliding_window=6)]
+        return KVCacheManager(num_blocks=8, block_size=BS, specs=specs, page_sizes=[3, 2, 2])
+
+
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestHostTier = HostTierMachine.TestCase
@@ -216,3 +232,5 @@ TestMambaHybrid = MambaHybridMachine.TestCase
 TestMambaHybrid.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestTwoLevel = TwoLevelMachine.TestCase
 TestTwoLevel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestCrossAttention = CrossAttentionMachine.TestCase
+TestCrossAttention.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
