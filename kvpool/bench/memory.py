@@ -169,14 +169,20 @@ def fill(mgr: KVCacheManager, context: int, num_encoder: int, chunk: int, block_
     return Fill(n, held, time.perf_counter() - t0)
 
 
+def pages_in(budget: int, page: int) -> int:
+    if budget // page < 2:
+        raise ValueError(f"budget: {budget} bytes hold fewer than 2 pages of {page} bytes (one is the null page)")
+    return budget // page
+
+
 def kvpool_manager(specs: list[KVCacheSpec], budget: int, block_size: int) -> tuple[KVCacheManager, int | None]:
     groups = group_layers(specs)
     page = common_page_size(groups)
     group_specs = [g.spec for g in groups]
     if page is not None:
-        return KVCacheManager(budget // page, block_size, specs=group_specs), page
+        return KVCacheManager(pages_in(budget, page), block_size, specs=group_specs), page
     sizes = [g.page_size_bytes for g in groups]
-    return KVCacheManager(budget // math.lcm(*sizes), block_size, specs=group_specs, page_sizes=sizes), None
+    return KVCacheManager(pages_in(budget, math.lcm(*sizes)), block_size, specs=group_specs, page_sizes=sizes), None
 
 
 def uniform_manager(specs: list[KVCacheSpec], block_size: int, budget: int, has_encoder: bool
@@ -187,7 +193,7 @@ def uniform_manager(specs: list[KVCacheSpec], block_size: int, budget: int, has_
     group_specs: list[KVCacheSpec] = [full]
     if has_encoder:
         group_specs.append(CrossAttentionSpec(block_size, attn.num_kv_heads, attn.head_size, attn.dtype_bytes))
-    return KVCacheManager(budget // page, block_size, specs=group_specs), page
+    return KVCacheManager(pages_in(budget, page), block_size, specs=group_specs), page
 
 
 def measure(cfg: dict[str, Any], context: int, image: tuple[int, int] | None, budget: int, block_size: int,
@@ -232,7 +238,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"chunk: must be >= 1, got {a.chunk}")
     contexts = None
     if a.contexts:
-        contexts = [int(c) for c in a.contexts.split(",")]
+        try:
+            contexts = [int(c) for c in a.contexts.split(",")]
+        except ValueError:
+            raise ValueError(f"contexts: comma-separated integers expected, got {a.contexts!r}") from None
         if any(c < 1 for c in contexts):
             raise ValueError(f"contexts: every length must be >= 1, got {contexts}")
     cases = []

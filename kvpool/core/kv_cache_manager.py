@@ -3,7 +3,9 @@
 Its contract follows vLLM V1's manager (see DESIGN.md): `get_computed_blocks` finds the longest cached
 prefix without changing any block, `allocate_slots` takes hits and new blocks atomically (or changes
 nothing and returns None), `free` releases a request's blocks tail first, and `end_schedule_step`
-returns the step's swap plan. One single-type manager per group of layers; one block pool.
+returns the step's swap plan. One single-type manager per group of layers; one block pool, or, when
+the groups' pages differ in size (`page_sizes`), one two-level pool (`kvpool.core.two_level_pool`)
+whose `num_blocks` counts large pages.
 """
 
 from __future__ import annotations

@@ -46,6 +46,10 @@ def test_jamba_uses_two_level_pages_within_the_waste_target(capsys: pytest.Captu
     assert case["kvpool_max_requests"] > 5 * case["uniform_max_requests"] > 0
 
 
-def test_unknown_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "memory", "--models", "nope"]) == 2
     assert "models: no config" in capsys.readouterr().err
+    assert main(["bench", "memory", "--models", "gemma-2-9b", "--budget", "1MiB"]) == 2
+    assert "budget: 1048576 bytes hold fewer than 2 pages" in capsys.readouterr().err
+    assert main(["bench", "memory", "--models", "gemma-2-9b", "--contexts", "0"]) == 2
+    assert "contexts: every length must be >= 1" in capsys.readouterr().err
