@@ -134,13 +134,17 @@ class BlockPool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
+        self.forget_cached()
+        return True
+
+    def forget_cached(self) -> None:
+        """Drop every hash and map entry (the caller checked that no block is in use)."""
         for blk in self.blocks:
             blk.block_hash = None
         self.cached.clear()
         self._dups.clear()
         if self.enable_kv_events:
             self.events.append(AllBlocksCleared(medium=self.medium))
-        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []

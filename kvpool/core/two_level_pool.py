@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 from kvpool.core.block import KVCacheBlock
 from kvpool.core.block_pool import BlockPool
-from kvpool.core.events import AllBlocksCleared, KVCacheEvent
+from kvpool.core.events import KVCacheEvent
 from kvpool.core.free_queue import FreeBlockQueue
 
 _UNOWNED_RECENCY = -1  # unowned large pages are taken before any owned one (they hold nothing)
@@ -288,12 +288,7 @@ class TwoLevelBlockPool:
         if self.num_parked != self.num_usable_blocks:
             return False
         for t in self.types:
-            for b in t.blocks:
-                b.block_hash = None
-            t.cached.clear()
-            t._dups.clear()
-            if t.enable_kv_events:
-                t.events.append(AllBlocksCleared(medium=t.medium))
+            t.forget_cached()
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
