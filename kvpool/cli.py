@@ -1,5 +1,5 @@
 """The `kvpool` command line: `generate` text with a model, `serve` the OpenAI-compatible API, and `bench`
-the cache and the engine."""
+the cache, its memory, the engine and a server."""
 
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from kvpool.bench import manager, multiturn, prefix
+    from kvpool.bench import manager, memory, multiturn, prefix
 
     manager.add_arguments(bsub.add_parser("manager", help="replay a trace through the cache manager alone"))
+    memory.add_arguments(bsub.add_parser("memory", help="KV memory of hybrid models: uniform vs kvpool's allocator"))
     bp = bsub.add_parser("prefix", help="shared-prefix workload: kvpool with/without caching vs transformers")
     prefix.add_arguments(bp)
     add_engine_arguments(bp)
@@ -107,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvpool.bench import manager
 
             manager.run(args)
+        elif args.command == "bench" and args.bench == "memory":
+            from kvpool.bench import memory
+
+            memory.run(args)
         elif args.command == "bench" and args.bench == "multiturn":
             from kvpool.bench import multiturn
 

@@ -62,6 +62,11 @@ class BlockPool:
         """ref_cnt -= 1; blocks reaching 0 become free, in the given order (first evicted first)."""
         raise NotImplementedError
 
+    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        """Like `free_blocks`, but blocks reaching 0 go to the front of the eviction order, cached or not,
+        in the given order (the first is evicted first): content a later hit is unlikely to use."""
+        raise NotImplementedError
+
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (next evicted first)."""
         raise NotImplementedError
@@ -129,13 +134,17 @@ class BlockPool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
+        self.forget_cached()
+        return True
+
+    def forget_cached(self) -> None:
+        """Drop every hash and map entry (the caller checked that no block is in use)."""
         for blk in self.blocks:
             blk.block_hash = None
         self.cached.clear()
         self._dups.clear()
         if self.enable_kv_events:
             self.events.append(AllBlocksCleared(medium=self.medium))
-        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
@@ -162,6 +171,10 @@ class BlockPool:
                 assert b.block_id in free_set, f"block {b.block_id} has ref_cnt 0 but is not free"
             else:
                 assert b.block_id not in free_set, f"block {b.block_id} is free and in use"
+        self.check_map()
+
+    def check_map(self) -> None:
+        """Every map entry points at a block carrying its hash, and every carried hash is mapped."""
         holders: dict[BlockHash, list[KVCacheBlock]] = {}
         for b in self.blocks:
             if b.block_hash is not None:
@@ -225,5 +238,16 @@ class DeviceBlockPool(BlockPool):
                     q.append(blk)
                 else:
                     q.appendleft(blk)
+            elif blk.ref_cnt < 0:
+                raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
+
+    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        q = self.free_block_queue
+        for blk in reversed(ordered_blocks):  # appendleft reverses: the first given ends up first
+            if blk.is_null:
+                continue
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                q.appendleft(blk)
             elif blk.ref_cnt < 0:
                 raise AssertionError(f"block {blk.block_id} freed more often than it was taken")

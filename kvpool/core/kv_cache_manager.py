@@ -3,7 +3,9 @@
 Its contract follows vLLM V1's manager (see DESIGN.md): `get_computed_blocks` finds the longest cached
 prefix without changing any block, `allocate_slots` takes hits and new blocks atomically (or changes
 nothing and returns None), `free` releases a request's blocks tail first, and `end_schedule_step`
-returns the step's swap plan. One single-type manager per group of layers; one block pool.
+returns the step's swap plan. One single-type manager per group of layers; one block pool, or, when
+the groups' pages differ in size (`page_sizes`), one two-level pool (`kvpool.core.two_level_pool`)
+whose `num_blocks` counts large pages.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from kvpool.core.events import KVCacheEvent
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kvpool.core.request import CacheRequest
-from kvpool.core.single_type_manager import FullAttentionManager, SingleTypeKVCacheManager, make_manager
+from kvpool.core.single_type_manager import (
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    make_manager,
+)
 from kvpool.core.stats import PrefixCacheStats
 from kvpool.core.swap import SwapPlan, SwapStats
+from kvpool.core.two_level_pool import TwoLevelBlockPool
 
 
 class KVCacheBlocks:
@@ -54,6 +62,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_kv_events: bool = False,
         specs: Sequence[KVCacheSpec] | None = None,
+        page_sizes: Sequence[int] | None = None,
         block_pool: BlockPool | None = None,
         num_host_blocks: int = 0,
         host_eviction: str = "lru",
@@ -67,12 +76,21 @@ class KVCacheManager:
         for s in self.specs:
             if s.block_size != block_size:
                 raise ValueError(f"specs: block_size {s.block_size} differs from the manager's {block_size}")
-        self.block_pool = block_pool or DeviceBlockPool(num_blocks, enable_caching=enable_caching,
-                                                        enable_kv_events=enable_kv_events)
+        if page_sizes is not None and len(page_sizes) != len(self.specs):
+            raise ValueError(f"page_sizes: {len(page_sizes)} sizes for {len(self.specs)} groups")
+        self._two_level: TwoLevelBlockPool | None = None
+        if block_pool is None and page_sizes is not None and len(set(page_sizes)) > 1:
+            # Pages of different sizes: num_blocks counts large pages (see two_level_pool).
+            self._two_level = TwoLevelBlockPool(num_blocks, page_sizes, enable_caching=enable_caching,
+                                                enable_kv_events=enable_kv_events)
+        self.block_pool = block_pool or self._two_level or DeviceBlockPool(
+            num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events)
         self.num_blocks = self.block_pool.num_blocks
         self.managers: list[SingleTypeKVCacheManager] = [
-            make_manager(s, self.block_pool, g) for g, s in enumerate(self.specs)]
+            make_manager(s, self._two_level.view(g) if self._two_level else self.block_pool, g)
+            for g, s in enumerate(self.specs)]
         self.num_groups = len(self.managers)
+        self._has_state_groups = any(isinstance(m, MambaManager) for m in self.managers)
         # The hot path serves one full-attention group; other layer types release blocks as they go.
         self._single = self.managers[0] if self.num_groups == 1 and isinstance(self.managers[0],
                                                                                FullAttentionManager) else None
@@ -86,6 +104,9 @@ class KVCacheManager:
         if num_host_blocks > 0 and enable_caching:
             if self.num_groups > 1:
                 raise ValueError("num_host_blocks: the host tier supports one layer group for now")
+            if not isinstance(self.managers[0], FullAttentionManager):
+                # Its lookup continues a chain of consecutive blocks: full attention's hit rule only.
+                raise ValueError("num_host_blocks: the host tier supports full-attention layers only for now")
             self.host_pool = HostBlockPool(num_host_blocks, eviction=host_eviction,
                                            enable_kv_events=enable_kv_events)
             self.block_pool.eviction_listeners.append(self._shelter)
@@ -122,7 +143,7 @@ class KVCacheManager:
             blocks = KVCacheBlocks((hit,), host_hit)
         else:
             hits = self._hybrid_hit(request.block_hashes, max_blocks)
-            num_hit = len(hits[0]) * self.block_size
+            num_hit = max(len(h) for h in hits) * self.block_size
             blocks = KVCacheBlocks(hits)
         self.stats.record(num_tokens, num_hit)
         self._interval_stats.record(num_tokens, num_hit)
@@ -132,15 +153,20 @@ class KVCacheManager:
         """The longest prefix every group accepts.
 
         A full-attention hit of n blocks is a hit for any shorter length, but a sliding-window hit is
-        not (the window before a shorter point may be gone): so shrink to the shortest group's answer
-        and ask again, until all agree. Never 0 when some length is valid for all.
+        not (the window before a shorter point may be gone) and a Mamba hit exists only at a boundary
+        whose state is cached. Each group answers with the longest length it accepts up to a limit, so
+        shrink the limit to the shortest answer and ask again until all agree: the lengths only
+        decrease, and the first length all accept is the largest valid for all (never 0 when some
+        length is valid for all). Groups that are never looked up by hash (cross-attention) do not
+        take part.
         """
         n = max_blocks
+        caching = [m for m in self.managers if m.caches_prefix]
         while True:
-            hits = tuple(m.find_longest_cache_hit(block_hashes, n) for m in self.managers)
-            shortest = min(len(h) for h in hits)
-            if all(len(h) == shortest for h in hits):
-                return hits
+            hits = {m.group_id: m.find_longest_cache_hit(block_hashes, n) for m in caching}
+            shortest = min((len(h) for h in hits.values()), default=0)
+            if all(len(h) == shortest for h in hits.values()):
+                return tuple(hits.get(m.group_id, []) for m in self.managers)
             n = shortest
 
     def allocate_slots(
@@ -183,6 +209,8 @@ class KVCacheManager:
                         self._write_through(table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
+        if num_lookahead_tokens and self._has_state_groups:
+            raise ValueError("num_lookahead_tokens: Mamba layers cannot hold speculative tokens")
         # Blocks that slid out of a window: released only if the allocation goes ahead (a failed one
         # changes nothing), but counted as free space when they are this request's alone.
         skipped = [m.skipped_blocks(rid, request.num_computed_tokens) for m in managers]
@@ -190,24 +218,26 @@ class KVCacheManager:
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty.blocks
         host_hits = new_computed_blocks.host_blocks if new_computed_blocks is not None else []
         # Host hits need device blocks too: they are among the blocks the token count requires.
-        need = 0
-        for g, m in enumerate(managers):
-            need += m.get_num_blocks_to_allocate(rid, num_slots, hits[g])
-        if need > self.block_pool.get_num_free_blocks() + releasable:
+        need = [m.get_num_blocks_to_allocate(rid, m.num_slots(request, num_slots), hits[g])
+                for g, m in enumerate(managers)]
+        if self._two_level is not None:
+            if not self._two_level.can_allocate(need, skipped, hits):
+                return None
+        elif sum(need) > self.block_pool.get_num_free_blocks() + releasable:
             return None
-        new: list[list[KVCacheBlock]] = []
+        # Every group releases, then every group takes its hits, then every group allocates: a group's
+        # new blocks must neither miss the room another group frees nor evict another group's hit.
         for g, m in enumerate(managers):
             m.remove_skipped_blocks(rid, skipped[g])
-            m.save_new_computed_blocks(rid, hits[g])
+        for g, m in enumerate(managers):
+            m.save_new_computed_blocks(rid, hits[g], request.num_prompt_tokens)
             if host_hits:
                 self._swap_in(rid, m, host_hits)
-            new.append(m.allocate_new_blocks(rid, num_slots))
+        new = [m.allocate_new_blocks(rid, m.num_slots(request, num_slots)) for m in managers]
         if self.enable_caching:
-            n_hashed = len(request.block_hashes) * self.block_size
-            cache_upto = num_tokens if num_tokens < n_hashed else n_hashed
             for m in managers:
                 before = m.num_cached_block[rid]
-                m.cache_blocks(request, cache_upto)
+                m.cache_blocks(request, num_tokens)  # each type caps it at the hashed blocks
                 if self.write_through and self.host_pool is not None:
                     self._write_through(m.req_to_blocks[rid][before:m.num_cached_block[rid]])
         return KVCacheBlocks(tuple(new))
@@ -306,17 +336,17 @@ class KVCacheManager:
                 pins[b.block_id] = pins.get(b.block_id, 0) + 1
             for b in self.host_pool.blocks:
                 assert b.ref_cnt == pins.get(b.block_id, 0), f"host block {b.block_id}: pins disagree"
-        holders: dict[int, int] = {}
+        holders: dict[int, int] = {}  # by object: with two-level pages each type has its own block ids
         for m in self.managers:
             for rid, blocks in m.req_to_blocks.items():
                 assert m.num_cached_block[rid] <= len(blocks), f"{rid}: more cached blocks than blocks"
                 for b in blocks:
                     if not b.is_null:
-                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                        holders[id(b)] = holders.get(id(b), 0) + 1
         for b in self.block_pool.blocks:
             if not b.is_null:
-                assert b.ref_cnt == holders.get(b.block_id, 0), (
-                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {holders.get(b.block_id, 0)}")
+                assert b.ref_cnt == holders.get(id(b), 0), (
+                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {holders.get(id(b), 0)}")
 
     def _empty_blocks(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in self.managers))

@@ -1,12 +1,27 @@
 """What one group of layers needs from the KV cache: tokens per block and bytes per block (page).
 
-Each layer type gets its own spec; a model's layers are grouped by spec, and each group gets one
-manager and one block table per request.
+Each layer type gets its own spec; a model's layers are grouped by spec (see `kvpool.core.grouping`),
+and each group gets one manager and one block table per request. Page sizes are computed from the
+layer's shape so that the pool can be sized in bytes and pages of different types can share memory.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1, "int8": 1}
+
+
+def dtype_bytes(dtype: str | int) -> int:
+    """Bytes per element of a dtype name ("bfloat16", ...), or the int itself."""
+    if isinstance(dtype, int) and not isinstance(dtype, bool):
+        if dtype < 1:
+            raise ValueError(f"dtype: bytes per element must be >= 1, got {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPE_BYTES:
+        return DTYPE_BYTES[dtype]
+    raise ValueError(f"dtype: unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
 
 
 @dataclass(frozen=True)
@@ -18,8 +33,9 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_size", "dtype_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
 
     @property
     def page_size_bytes(self) -> int:
@@ -45,8 +61,8 @@ class SlidingWindowSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window: must be >= 1, got {self.sliding_window}")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            raise ValueError(f"sliding_window: must be an int >= 1, got {self.sliding_window!r}")
 
     def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
         # The window before a chunk's first token, the chunk itself, and one block of misalignment.
@@ -57,3 +73,46 @@ class SlidingWindowSpec(KVCacheSpec):
     def window_blocks(self) -> int:
         """Cached blocks a prefix hit needs right before the hit point: ceil((W - 1) / block_size)."""
         return -(-(self.sliding_window - 1) // self.block_size)
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec(KVCacheSpec):
+    """Decoder layers attending to the encoder's output (e.g. image tokens in mllama).
+
+    The KV is sized by the request's encoder tokens, not its text: blocks are allocated for
+    `CacheRequest.num_encoder_tokens` at the first allocation and kept until the request ends.
+    The head config may differ from the self-attention layers'; the page formula is the same.
+    """
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A state-space (Mamba) layer: a fixed per-request state, whatever the sequence length.
+
+    `state_shapes[i]` and `state_dtype_bytes[i]` describe the layer's i-th state tensor (e.g. the
+    convolution state and the SSM state); one page holds all of them, so the page size is the state's
+    bytes. `block_size` is the caching granularity: the state after each block boundary may be kept
+    (in that block's page) so that a later request sharing the prefix resumes from it.
+    """
+
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_dtype_bytes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.state_shapes:
+            raise ValueError("state_shapes: a Mamba layer needs at least one state tensor")
+        if len(self.state_dtype_bytes) != len(self.state_shapes):
+            raise ValueError(f"state_dtype_bytes: {len(self.state_dtype_bytes)} entries for "
+                             f"{len(self.state_shapes)} state shapes")
+        for shape in self.state_shapes:
+            if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
+                raise ValueError(f"state_shapes: every dimension must be an int >= 1, got {shape!r}")
+        for b in self.state_dtype_bytes:
+            if not isinstance(b, int) or b < 1:
+                raise ValueError(f"state_dtype_bytes: must be ints >= 1, got {b!r}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one layer's whole state."""
+        return sum(math.prod(s) * b for s, b in zip(self.state_shapes, self.state_dtype_bytes, strict=True))

@@ -53,6 +53,7 @@ class CacheRequest:
         lora_id: int | str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         cache_salt: str | None = None,
+        num_encoder_tokens: int = 0,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt_token_ids: the prompt must hold at least one token")
@@ -73,6 +74,11 @@ class CacheRequest:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt: must be a string")
         self.cache_salt = cache_salt or None
+        if not isinstance(num_encoder_tokens, int) or isinstance(num_encoder_tokens, bool) or num_encoder_tokens < 0:
+            raise ValueError(f"num_encoder_tokens: must be an int >= 0, got {num_encoder_tokens!r}")
+        # Tokens the encoder produces for this request (image tokens for mllama): cross-attention
+        # layers keep KV for these, not for the text.
+        self.num_encoder_tokens = num_encoder_tokens
         self.has_extra_keys = lora_id is not None or bool(self.mm_items) or self.cache_salt is not None
         self.hasher = hasher
         if hasher is not None:

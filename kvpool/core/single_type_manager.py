@@ -1,8 +1,17 @@
 """Per-layer-type managers: the block tables of one group of layers and that type's caching rules.
 
 `FullAttentionManager` keeps every block of a request and accepts any cached prefix of full blocks.
-Other layer types (sliding window, Mamba state, cross-attention) subclass `SingleTypeKVCacheManager`
-and override the hit rule and which blocks a running request may release early.
+`SlidingWindowManager` releases blocks that left the window; `MambaManager` keeps only the block(s)
+holding the request's latest state and caches states at block boundaries; `CrossAttentionManager`
+holds blocks for the encoder tokens and takes no part in prefix caching.
+
+Eviction preferences (the RFC's per-type LRU tags): when a sliding-window or Mamba request releases
+blocks, those a later hit can use go to the tail of the free queue (evicted last, as usual for cached
+blocks); the rest go to the front, cached or not. "Usable" means: within the window before (or, for
+Mamba, the state at) a boundary that matters: the request's own hit point (another request reached
+it already), the last boundaries of its prompt (a longer prompt starting with it, or the same prompt
+again, whose last token is recomputed) and, when the request is freed, its end (a multi-turn
+continuation).
 """
 
 from __future__ import annotations
@@ -11,11 +20,21 @@ from collections.abc import Sequence
 
 from kvpool.core.block import BlockHash, KVCacheBlock, group_key
 from kvpool.core.block_pool import BlockPool
-from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvpool.core.kv_cache_spec import (
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from kvpool.core.request import CacheRequest
 
 
 class SingleTypeKVCacheManager:
+    # False for types whose blocks are never looked up by hash (cross-attention): such a group does
+    # not limit the length of a hybrid prefix hit.
+    caches_prefix = True
+
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
         self.spec = spec
         self.block_size = spec.block_size
@@ -27,7 +46,12 @@ class SingleTypeKVCacheManager:
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
                                ) -> list[KVCacheBlock]:
+        """The longest hit of at most `max_num_blocks` blocks this type accepts (null where not needed)."""
         raise NotImplementedError
+
+    def num_slots(self, request: CacheRequest, num_slots: int) -> int:
+        """Token slots this group needs when the request's sequence needs `num_slots`."""
+        return num_slots
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[KVCacheBlock]) -> int:
@@ -43,17 +67,22 @@ class SingleTypeKVCacheManager:
                 n += 1
         return n
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
+                                 num_prompt_tokens: int = 0) -> None:
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request_id] = []
             self.num_cached_block[request_id] = 0
+            self.start_request(request_id, len(new_computed_blocks), num_prompt_tokens)
         if new_computed_blocks:
             if blocks:
                 raise ValueError(f"request {request_id}: prefix hits must come before its first block")
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request_id] = len(new_computed_blocks)
+
+    def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int) -> None:
+        """A request's first allocation in this group (types with eviction preferences note anchors)."""
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks[request_id]
@@ -68,6 +97,8 @@ class SingleTypeKVCacheManager:
         """Enter the request's blocks that are full at `num_tokens` in the prefix-cache map."""
         rid = request.request_id
         num_full = num_tokens // self.block_size
+        if num_full > len(request.block_hashes):
+            num_full = len(request.block_hashes)
         num_cached = self.num_cached_block[rid]
         if num_full <= num_cached:
             return
@@ -104,7 +135,46 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return hit
 
 
-class SlidingWindowManager(SingleTypeKVCacheManager):
+class _AnchoredManager(SingleTypeKVCacheManager):
+    """Releases blocks early and sorts them by whether a later hit can use them (see module doc)."""
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, block_pool, group_id)
+        # Per request: boundaries (in blocks) where a later hit is likely.
+        self.anchors: dict[str, tuple[int, ...]] = {}
+
+    def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int) -> None:
+        # The prompt's end (a later prompt extending it) and the last hit point a repeat of the prompt
+        # can have (its last token is always recomputed).
+        bs = self.block_size
+        self.anchors[request_id] = (num_hit_blocks, num_prompt_tokens // bs, max(0, num_prompt_tokens - 1) // bs)
+
+    def keeps(self, index: int, boundaries: Sequence[int]) -> bool:
+        """Whether block `index` is what a hit at one of `boundaries` needs."""
+        raise NotImplementedError
+
+    def release(self, request_id: str, indexed: list[tuple[int, KVCacheBlock]], at_end: int | None) -> None:
+        """Free blocks (given oldest first): usable ones to the tail, the rest to the front."""
+        bounds = self.anchors.get(request_id, ())
+        if at_end is not None:
+            bounds = (*bounds, at_end)
+        keep = [b for i, b in indexed if self.keeps(i, bounds)]
+        drop = [b for i, b in indexed if not self.keeps(i, bounds)]
+        if drop:
+            self.block_pool.free_blocks_to_front(drop)
+        if keep:
+            # Oldest first among the kept: the newest are the likeliest to be a hit's tail.
+            self.block_pool.free_blocks(keep)
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_to_blocks.pop(request_id, None)
+        num_full = self.num_cached_block.pop(request_id, 0)
+        if blocks:
+            self.release(request_id, [(i, b) for i, b in enumerate(blocks) if not b.is_null], num_full)
+        self.anchors.pop(request_id, None)
+
+
+class SlidingWindowManager(_AnchoredManager):
     """Keeps only the blocks the window can still see; the rest of the table is the null block.
 
     A prefix hit of n blocks needs only the window_blocks blocks right before the hit point to be
@@ -131,6 +201,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 return [null] * i + run[::-1]
         return run[::-1]  # a cached run reaching back to the first block (shorter than a window)
 
+    def keeps(self, index: int, boundaries: Sequence[int]) -> bool:
+        need = self.spec.window_blocks
+        return any(b - need <= index < b for b in boundaries)
+
     def skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.get(request_id)
         null = self.block_pool.null_block
@@ -152,16 +226,143 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         null = self.block_pool.null_block
         assert null is not None
         end = blocks.index(skipped[0]) + 1  # the newest skipped block ends the run
-        for i in range(end - len(skipped), end):
+        start = end - len(skipped)
+        indexed = list(zip(range(start, end), blocks[start:end], strict=True))
+        for i in range(start, end):
             blocks[i] = null
-        # Oldest first, so evicted first: a later hit needs the blocks just before its hit point,
-        # and the oldest ones are the least likely to be that.
-        self.block_pool.free_blocks(reversed(skipped))
+        self.release(request_id, indexed, None)
+
+
+class MambaManager(_AnchoredManager):
+    """A state per request; block j's page holds the state after the tokens of blocks 0..j.
+
+    The runner reads the request's current state from the page of the block holding its last computed
+    token and writes the state at the end of the scheduled tokens into the page of the block holding
+    the last of them (the same page when it stays in one block). So a running request holds at most
+    two real pages (the input and the output state); every other table entry is the null block. A
+    page is cached under its block's hash only when the state it received is exactly at that block's
+    end (the scheduled tokens ended on the boundary); a prefix hit is the latest block boundary whose
+    state is cached: the null block everywhere before it.
+    """
+
+    spec: MambaSpec
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, block_pool, group_id)
+        self.held: dict[str, list[int]] = {}  # per request: indices of the real pages, oldest first
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
+                               ) -> list[KVCacheBlock]:
+        pool, g = self.block_pool, self.group_id
+        null = pool.null_block
+        assert null is not None, "Mamba tables need the null block"
+        get = pool.cached.get
+        for i in range(min(max_num_blocks, len(block_hashes)) - 1, -1, -1):
+            blk = get(group_key(block_hashes[i], g))
+            if blk is not None:
+                return [null] * i + [blk]
+        return []
+
+    def keeps(self, index: int, boundaries: Sequence[int]) -> bool:
+        return index + 1 in boundaries
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock]) -> int:
+        blocks = self.req_to_blocks.get(request_id)
+        have = (len(blocks) if blocks else 0) + len(new_computed_blocks)
+        n = 1 if -(-num_tokens // self.block_size) > have else 0  # one page for the output state
+        if new_computed_blocks and new_computed_blocks[-1].ref_cnt == 0:
+            n += 1
+        return n
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
+                                 num_prompt_tokens: int = 0) -> None:
+        fresh = request_id not in self.req_to_blocks
+        super().save_new_computed_blocks(request_id, new_computed_blocks, num_prompt_tokens)
+        if fresh:
+            self.held[request_id] = [len(new_computed_blocks) - 1] if new_computed_blocks else []
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks[request_id]
+        n = -(-num_tokens // self.block_size) - len(blocks)
+        if n <= 0:
+            return []
+        null = self.block_pool.null_block
+        assert null is not None
+        new = [null] * (n - 1) + self.block_pool.get_new_blocks(1)
+        blocks.extend(new)
+        self.held[request_id].append(len(blocks) - 1)
+        return new
+
+    def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        if num_full <= self.num_cached_block[rid]:
+            return
+        self.num_cached_block[rid] = num_full
+        # Only the page receiving the state at exactly a boundary holds a cacheable state.
+        if num_tokens % self.block_size == 0 and num_full <= len(request.block_hashes):
+            blocks = self.req_to_blocks[rid]
+            self.block_pool.cache_full_blocks(request, blocks, num_full - 1, num_full, self.block_size,
+                                              self.group_id)
+
+    def skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        held = self.held.get(request_id)
+        if not held:
+            return []
+        current = (num_computed_tokens - 1) // self.block_size  # the page holding the input state
+        blocks = self.req_to_blocks[request_id]
+        return [blocks[i] for i in reversed(held) if i < current]
+
+    def remove_skipped_blocks(self, request_id: str, skipped: list[KVCacheBlock]) -> None:
+        if not skipped:
+            return
+        blocks = self.req_to_blocks[request_id]
+        null = self.block_pool.null_block
+        assert null is not None
+        held = self.held[request_id]
+        gone = [i for i in held if blocks[i] in skipped]
+        indexed = [(i, blocks[i]) for i in gone]
+        for i in gone:
+            blocks[i] = null
+        self.held[request_id] = [i for i in held if i not in gone]
+        self.release(request_id, indexed, None)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.held.pop(request_id, None)
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Blocks for the encoder tokens, all taken at the request's first allocation, freed with it.
+
+    Encoder KV is computed from the request's own encoder output; it is never looked up by hash.
+    """
+
+    caches_prefix = False
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
+                               ) -> list[KVCacheBlock]:
+        return []
+
+    def num_slots(self, request: CacheRequest, num_slots: int) -> int:
+        return request.num_encoder_tokens
+
+    def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
+        """Encoder KV is not prefix-cached."""
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks_to_front(blocks)
 
 
 MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
 }
 
 

@@ -15,8 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpool.core.block import group_key
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
-from kvpool.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from kvpool.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvpool.core.request import CacheRequest
+from kvpool.core.single_type_manager import MambaManager
 
 BS = 4
 PREFIXES = [list(range(1000, 1012)), list(range(2000, 2006)), [*range(1000, 1008), 5, 5]]
@@ -26,6 +27,8 @@ class PoolMachine(RuleBasedStateMachine):
     """Engine-shaped steps: requests are scheduled (admitted, or advanced by a chunk or a decoded
     token) at most once per step, finished only between steps, and `end_step` runs the step's swap
     plan and forward on a content model, so a block labelled with a hash must really hold it."""
+
+    num_encoder_tokens = 0
 
     def make_manager(self) -> KVCacheManager:
         return KVCacheManager(num_blocks=12, block_size=BS)
@@ -37,7 +40,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.waiting: list[CacheRequest] = []
         self.running: dict[str, CacheRequest] = {}
         self.scheduled: dict[str, tuple[int, int]] = {}  # this step: token range each request computes
-        self.dev: dict[int, object] = {}  # what each device block holds once the step has run
+        # What each device block holds once the step has run, by (pool, block id): with two-level pages
+        # each page size has its own ids.
+        self.dev: dict[tuple[int, int], object] = {}
         self.host: dict[int, object] = {}
         self.n = 0
 
@@ -51,7 +56,8 @@ class PoolMachine(RuleBasedStateMachine):
         if not tokens:
             tokens = [1]
         self.n += 1
-        self.waiting.append(CacheRequest(f"r{self.n}", tokens, hasher=self.hasher))
+        self.waiting.append(CacheRequest(f"r{self.n}", tokens, hasher=self.hasher,
+                                         num_encoder_tokens=self.num_encoder_tokens))
 
     @precondition(lambda self: self.waiting)
     @rule(chunk=st.integers(1, 20))
@@ -105,20 +111,33 @@ class PoolMachine(RuleBasedStateMachine):
         assert len({d for _, d in plan.swap_in}) == len(plan.swap_in)
         # The runner's order: every swap-out, then every swap-in, then the forward.
         for d, h in plan.swap_out:
-            self.host[h] = self.dev.get(d)
+            self.host[h] = self.dev.get((id(self.mgr.block_pool), d))
         for h, d in plan.swap_in:
-            self.dev[d] = self.host.get(h)
+            self.dev[(id(self.mgr.block_pool), d)] = self.host.get(h)
         for m in self.mgr.managers:
+            if not m.caches_prefix:
+                continue  # encoder KV: written once, never looked up
             for rid, (start, end) in self.scheduled.items():
                 req, table = self.running[rid], m.req_to_blocks[rid]
+                if isinstance(m, MambaManager):
+                    # Only the page of the last scheduled token receives a state: a block's key only
+                    # when the tokens ended exactly on its boundary.
+                    last = -(-end // BS) - 1
+                    on_boundary = end % BS == 0 and last < len(req.block_hashes)
+                    state = (group_key(req.block_hashes[last], m.group_id) if on_boundary
+                             else ("state", rid, end, m.group_id))
+                    self.dev[(id(m.block_pool), table[last].block_id)] = state
+                    continue
                 for i in range(start // BS, -(-end // BS)):
                     content = (group_key(req.block_hashes[i], m.group_id) if i < len(req.block_hashes)
                                else ("part", rid, i, m.group_id))
-                    self.dev[table[i].block_id] = content
+                    self.dev[(id(m.block_pool), table[i].block_id)] = content
         self.scheduled.clear()
-        for b in self.mgr.block_pool.blocks:
-            if b.block_hash is not None:
-                assert self.dev.get(b.block_id) == b.block_hash, f"device block {b.block_id} holds other content"
+        for pool in {id(m.block_pool): m.block_pool for m in self.mgr.managers}.values():
+            for b in pool.blocks:
+                if b.block_hash is not None:
+                    assert self.dev.get((id(pool), b.block_id)) == b.block_hash, (
+                        f"device block {b.block_id} holds other content")
         if self.mgr.host_pool is not None:
             owed = {h for _, h in self.mgr._swap_plan.swap_out}  # write-through copies of the next step
             for b in self.mgr.host_pool.blocks:
@@ -170,6 +189,37 @@ class HybridMachine(PoolMachine):
         return KVCacheManager(num_blocks=24, block_size=BS, specs=specs)
 
 
+class MambaHybridMachine(PoolMachine):
+    """Full attention, sliding window and Mamba state groups in one pool (Mamba pages hold a state at
+    a block boundary; the content model labels the page receiving it with that block's key)."""
+
+    def make_manager(self) -> KVCacheManager:
+        specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6),
+                 MambaSpec(block_size=BS, state_shapes=((2, 3),), state_dtype_bytes=(2,))]
+        return KVCacheManager(num_blocks=30, block_size=BS, specs=specs)
+
+
+class TwoLevelMachine(PoolMachine):
+    """The same three groups with pages of different sizes: attention pages of 2 units and Mamba pages
+    of 3 share large pages of 6 (3 or 2 small pages each), 7 usable large pages."""
+
+    def make_manager(self) -> KVCacheManager:
+        specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6),
+                 MambaSpec(block_size=BS, state_shapes=((2, 3),), state_dtype_bytes=(2,))]
+        return KVCacheManager(num_blocks=8, block_size=BS, specs=specs, page_sizes=[2, 2, 3])
+
+
+class CrossAttentionMachine(PoolMachine):
+    """Cross-attention (5 encoder tokens per request), full attention and a window, pages of 3, 2, 2."""
+
+    num_encoder_tokens = 5
+
+    def make_manager(self) -> KVCacheManager:
+        specs = [CrossAttentionSpec(block_size=BS), FullAttentionSpec(block_size=BS),
+                 SlidingWindowSpec(block_size=BS, sliding_window=6)]
+        return KVCacheManager(num_blocks=8, block_size=BS, specs=specs, page_sizes=[3, 2, 2])
+
+
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestHostTier = HostTierMachine.TestCase
@@ -178,3 +228,9 @@ TestArcHostTier = ArcHostTierMachine.TestCase
 TestHybrid = HybridMachine.TestCase
 TestHybrid.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestArcHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestMambaHybrid = MambaHybridMachine.TestCase
+TestMambaHybrid.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestTwoLevel = TwoLevelMachine.TestCase
+TestTwoLevel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestCrossAttention = CrossAttentionMachine.TestCase
+TestCrossAttention.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
