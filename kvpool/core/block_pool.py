@@ -63,8 +63,11 @@ class BlockPool:
         raise NotImplementedError
 
     def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
-        """Like `free_blocks`, but blocks reaching 0 go to the front of the eviction order, cached or not,
-        in the given order (the first is evicted first): content a later hit is unlikely to use."""
+        """Release blocks a later hit is unlikely to use, ahead of the request's others: with no cached
+        content they go to the front (reused first); with cached content, to the LRU tail in the given
+        order. Never ahead of never-used or empty blocks: evicting cached content while empty blocks
+        wait would lose hits for nothing (a shared prefix may end at any block, not only where this
+        request's likely hit points are)."""
         raise NotImplementedError
 
     def free_block_ids(self) -> list[int]:
@@ -242,12 +245,7 @@ class DeviceBlockPool(BlockPool):
                 raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
 
     def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
-        q = self.free_block_queue
-        for blk in reversed(ordered_blocks):  # appendleft reverses: the first given ends up first
-            if blk.is_null:
-                continue
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                q.appendleft(blk)
-            elif blk.ref_cnt < 0:
-                raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
+        cached = [b for b in ordered_blocks if b.block_hash is not None]
+        empty = [b for b in ordered_blocks if b.block_hash is None]
+        self.free_blocks(cached)  # to the tail, in order
+        self.free_blocks(reversed(empty))  # each to the front: reversed, so the first given is first

@@ -112,9 +112,8 @@ class ModelRunner:
         arch = self.model.arch
         self.arch = arch
         self.block_size = block_size
-        self.layout = LayerLayout.from_windows(arch.layer_windows)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.dtype_bytes = elem
+        self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim, elem)
         # A block id is one page in each of the layers_per_group shared tensors (see LayerLayout).
         self.bytes_per_block = (2 * block_size * arch.num_kv_heads * arch.head_dim * elem
                                 * self.layout.layers_per_group)
@@ -147,7 +146,7 @@ class ModelRunner:
     @property
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """One spec per KV cache group, for the manager (group i of the manager is group i here)."""
-        return self.layout.specs(self.block_size, self.arch.num_kv_heads, self.arch.head_dim, self.dtype_bytes)
+        return list(self.layout.specs)
 
     def _metadata(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
         """Token ids, positions, and the attention metadata of each KV cache group for a step."""

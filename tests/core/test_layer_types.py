@@ -258,24 +258,27 @@ def test_sliding_window_keeps_the_window_before_boundaries_that_matter() -> None
     a.append_output_token_ids(99)
     assert mgr.allocate_slots(a, 1) is not None
     a.num_computed_tokens = 31
-    # Blocks 0-4 left the window; no hit can use them (the boundaries: hit point 0, prompt end 7): front.
-    assert mgr.block_pool.free_block_ids()[:6] == [1, 2, 3, 4, 5, 9]
-    mgr.free(a)
-    # At the end the window before the last boundary (blocks 5, 6) is kept; the partial block 7 goes first.
+    # Blocks 0-4 left the window; no hit can use them (the boundaries: hit point 0, prompt end 7). They
+    # hold cached content, so they go to the LRU tail, oldest first, never ahead of never-used blocks.
     free = mgr.block_pool.free_block_ids()
-    assert free[:6] == [8, 1, 2, 3, 4, 5] and free[-2:] == [6, 7]
+    assert free[0] == 9 and free[-5:] == [1, 2, 3, 4, 5]
+    mgr.free(a)
+    # At the end the window before the last boundary (blocks 5, 6) is kept, released after the rest; the
+    # partial block 7 (nothing cached) goes to the front.
+    free = mgr.block_pool.free_block_ids()
+    assert free[0] == 8 and free[-7:] == [1, 2, 3, 4, 5, 6, 7]
     # b shares 6 blocks: its hit needs only blocks 4-5 of a (ids 5, 6).
     b = make_request("b", [*range(24), *range(100, 110)], BS)
     hit, n = mgr.get_computed_blocks(b)
     assert n == 24 and hit.get_block_ids() == ([0, 0, 0, 0, 5, 6],)
     assert mgr.allocate_slots(b, 10, n, hit) is not None
     b.num_computed_tokens = 34
-    assert mgr.get_block_ids("b") == ([0, 0, 0, 0, 5, 6, 8, 1, 2],)
+    assert mgr.get_block_ids("b") == ([0, 0, 0, 0, 5, 6, 8, 9, 10],)
     b.append_output_token_ids(1)
     assert mgr.allocate_slots(b, 1) is not None
-    # b's hit point is a boundary that matters (another request reached it): its window stays at the tail.
+    # b's hit point is a boundary that matters (another request reached it): its window goes to the tail.
     free = mgr.block_pool.free_block_ids()
-    assert free[:3] == [3, 4, 9] and free[-3:] == [7, 5, 6]
+    assert free[0] == 11 and free[-3:] == [7, 5, 6]
     mgr.check_integrity()
 
 

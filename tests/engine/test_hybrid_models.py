@@ -78,13 +78,14 @@ def test_greedy_tokens_equal_transformers(model: str, setting: str, request: pyt
 def test_sliding_groups_hold_only_the_window(gemma3_dir: Path) -> None:
     llm = LLM(str(gemma3_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=200)
     eng = llm.engine
-    assert [type(s).__name__ for s in eng.kv.specs] == ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 5
+    # Six layers, five sliding and one full: six groups of one layer, in layer order.
+    assert [type(s).__name__ for s in eng.kv.specs] == ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"]
     eng.add_request(PREFIX + [1] * 30, SamplingParams.greedy(5), request_id="r")
     eng.step()  # the whole 100-token prompt in one step
     eng.step()  # one decode: out-of-window blocks are released as the table grows
-    tables = eng.kv.get_block_ids("r")
-    assert len(tables[0]) == 26 and 0 not in tables[0]  # full attention keeps every block
-    for t in tables[1:]:  # position 100 sees 77..100: blocks 19..25, the rest is the null block
+    *sliding, full = eng.kv.get_block_ids("r")
+    assert len(full) == 26 and 0 not in full  # full attention keeps every block
+    for t in sliding:  # position 100 sees 77..100: blocks 19..25, the rest is the null block
         assert t[:19] == [0] * 19 and 0 not in t[19:] and len(t) == 26
     used = eng.kv.block_pool.num_usable_blocks - eng.kv.get_num_free_blocks()
     assert used == 26 + 5 * 7
