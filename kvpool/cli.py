@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, metrics)")
-    from kvpool.server import serve as serve_mod
+    from kvpool.server import options as serve_options
 
-    serve_mod.add_arguments(srv)
+    serve_options.add_arguments(srv)
     add_engine_arguments(srv)
 
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")

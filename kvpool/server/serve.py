@@ -24,19 +24,6 @@ from kvpool.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and admin routes")
-    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    g.add_argument("--max-pending", type=int, default=256,
-                   help="requests in flight (running + waiting) before new ones get HTTP 503")
-    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
-    g.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV cache events on this ZeroMQ PUB endpoint (e.g. tcp://127.0.0.1:5557)")
-
-
 @dataclass
 class ServerHandle:
     url: str

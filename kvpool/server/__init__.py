@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, metrics, KV events and the `kvpool serve` entry point."""
