@@ -25,6 +25,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-eviction", default="lru", choices=["lru", "arc"], help="host tier eviction policy")
     g.add_argument("--write-through", action="store_true",
                    help="copy every newly full block to the host tier, not only when evicted")
+    g.add_argument("--no-hybrid-allocator", action="store_true",
+                   help="keep every layer's blocks as full attention does (the uniform allocator, to compare)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -32,7 +34,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 hash_algo=a.hash_algo, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, swap_space=a.swap_space,
-                host_eviction=a.host_eviction, write_through=a.write_through)
+                host_eviction=a.host_eviction, write_through=a.write_through,
+                hybrid_allocator=not a.no_hybrid_allocator)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from typing import Any
 
 from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import generated_shared_prefix
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unique", action="store_true", help="no shared prefix: every prompt its own system prompt")
     p.add_argument("--runs", type=int, default=1, help="timed runs per system (medians reported)")
-    p.add_argument("--systems", default="kvpool,kvpool-no-cache,transformers")
+    p.add_argument("--systems", default="kvpool,kvpool-no-cache,transformers",
+                   help="comma-separated: kvpool, kvpool-no-cache, kvpool-full-attention (hybrid models: every "
+                        "layer kept as full attention), transformers")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--workload-out", help="write the workload (token ids) as JSON for vllm-cpu/run.sh")
     p.add_argument("--json", action="store_true")
@@ -51,6 +56,8 @@ def run_kvpool(prompts: list[list[int]], out_len: int, caching: bool, runs: int,
     from kvpool.engine.sampling_params import SamplingParams
 
     llm = LLM(**{**engine_kw, "enable_prefix_caching": caching})
+    log.info("%s: %d KV blocks, %d requests fit at full length", "hybrid" if llm.engine.config.hybrid_allocator
+             else "uniform", llm.engine.runner.num_blocks, _requests_that_fit(llm, prompts, out_len))
     sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate([p[:64] for p in prompts[:4]], sp, use_tqdm=False)  # warm-up: first-call costs
     results = []
@@ -111,6 +118,15 @@ def run_transformers(prompts: list[list[int]], out_len: int, batch: int, dtype: 
     return _summary(wall, ttfts, sum(map(len, tokens)), sum(map(len, prompts)), 0.0), tokens
 
 
+def _requests_that_fit(llm: Any, prompts: list[list[int]], out_len: int) -> int:
+    """How many of the longest request the pool holds at once (every KV cache group counted)."""
+    eng = llm.engine
+    n = max(map(len, prompts)) + out_len
+    chunk = eng.config.max_num_batched_tokens
+    per_request = sum(s.max_blocks_held(n, chunk) for s in eng.runner.kv_cache_specs)
+    return (eng.runner.num_blocks - 1) // per_request
+
+
 def _median(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
@@ -127,6 +143,9 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     for name in wanted:
         if name == "kvpool":
             systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs, engine_kw)
+        elif name == "kvpool-full-attention":  # the uniform allocator: sliding layers keep every block
+            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs,
+                                                      {**engine_kw, "hybrid_allocator": False})
         elif name == "kvpool-no-cache":
             systems[name], outputs[name] = run_kvpool(prompts, a.output_len, False, a.runs, engine_kw)
         elif name == "transformers":
@@ -148,6 +167,11 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         # Exact in fp32 (the tests); in bf16 a near-tie can flip where the two paths round differently.
         result["outputs_identical_cache_on_off"] = all(same)
         result["outputs_identical_fraction"] = sum(same) / len(same)
+    if "kvpool" in systems and "kvpool-full-attention" in systems:
+        full, hyb = systems["kvpool-full-attention"], systems["kvpool"]
+        result["hybrid_throughput_vs_full_attention"] = hyb["output_tokens_per_s"] / full["output_tokens_per_s"]
+        result["hybrid_ttft_speedup_vs_full_attention"] = full["ttft_mean_ms"] / hyb["ttft_mean_ms"]
+        result["outputs_identical_hybrid_vs_full"] = outputs["kvpool"] == outputs["kvpool-full-attention"]
     if "kvpool" in systems and "transformers" in systems:
         result["throughput_vs_transformers"] = (systems["kvpool"]["output_tokens_per_s"]
                                                 / systems["transformers"]["output_tokens_per_s"])
@@ -161,6 +185,11 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         extra.append(f"TTFT speedup cache on vs off: {result['ttft_speedup']:.2f} "
                      f"({100 * result['ttft_speedup_of_ideal']:.0f}% of ideal); requests with identical outputs: "
                      f"{100 * result['outputs_identical_fraction']:.0f}%")
+    if "hybrid_throughput_vs_full_attention" in result:
+        extra.append(f"hybrid allocator vs all layers as full attention: "
+                     f"{result['hybrid_throughput_vs_full_attention']:.2f}x output throughput, "
+                     f"{result['hybrid_ttft_speedup_vs_full_attention']:.2f}x TTFT; identical outputs: "
+                     f"{result['outputs_identical_hybrid_vs_full']}")
     if "throughput_vs_transformers" in result:
         extra.append(f"output throughput vs transformers: {result['throughput_vs_transformers']:.2f}x")
     emit(table + "\n" + "\n".join(extra), result, a.json)

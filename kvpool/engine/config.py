@@ -46,6 +46,8 @@ class EngineConfig:
     num_host_blocks: int | None = None  # overrides swap_space (tests)
     host_eviction: str = "lru"  # lru | arc
     write_through: bool = False  # copy every newly full block to the host tier, not only on eviction
+    # False: every layer in one full-attention group (the uniform allocator), for comparisons.
+    hybrid_allocator: bool = True
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

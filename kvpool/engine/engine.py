@@ -58,7 +58,7 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.runner = ModelRunner(self.model_dir, dtype=config.dtype, block_size=config.block_size,
                                   kv_cache_memory=config.kv_cache_bytes(), device=config.device,
-                                  num_blocks=config.num_blocks)
+                                  num_blocks=config.num_blocks, hybrid=config.hybrid_allocator)
         bs = config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         self.max_model_len = self._longest_fitting_request(self.max_model_len)

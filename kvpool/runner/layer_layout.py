@@ -20,22 +20,25 @@ class LayerLayout:
     group_of_layer: tuple[int, ...]
     tensor_of_layer: tuple[int, ...]
     specs: tuple[KVCacheSpec, ...]  # per group, for the KV cache manager
+    layer_windows: tuple[int | None, ...]  # what each layer attends to (its group may keep more)
 
     @classmethod
     def from_windows(cls, layer_windows: list[int | None], block_size: int, num_kv_heads: int, head_size: int,
-                     dtype_bytes: int) -> LayerLayout:
-        """`layer_windows[i]`: layer i's sliding window, or None for full attention."""
+                     dtype_bytes: int, hybrid: bool = True) -> LayerLayout:
+        """`layer_windows[i]`: layer i's sliding window, or None for full attention. `hybrid=False` is
+        the uniform allocator the hybrid one is measured against: one full-attention group keeping every
+        block of every layer (sliding layers still attend to their window only)."""
         common = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                       dtype_bytes=dtype_bytes)
-        layer_specs = [FullAttentionSpec(**common) if w is None else SlidingWindowSpec(**common, sliding_window=w)
-                       for w in layer_windows]
+        layer_specs = [FullAttentionSpec(**common) if w is None or not hybrid
+                       else SlidingWindowSpec(**common, sliding_window=w) for w in layer_windows]
         groups = group_layers(layer_specs)
         group_of = [0] * len(layer_specs)
         tensor_of = [0] * len(layer_specs)
         for g, group in enumerate(groups):
             for j, layer in enumerate(group.layers):
                 group_of[layer], tensor_of[layer] = g, j
-        return cls(tuple(group_of), tuple(tensor_of), tuple(g.spec for g in groups))
+        return cls(tuple(group_of), tuple(tensor_of), tuple(g.spec for g in groups), tuple(layer_windows))
 
     @property
     def num_groups(self) -> int:
@@ -45,6 +48,13 @@ class LayerLayout:
     def layers_per_group(self) -> int:
         return max(self.tensor_of_layer) + 1
 
-    @property
-    def group_windows(self) -> tuple[int | None, ...]:
-        return tuple(s.sliding_window if isinstance(s, SlidingWindowSpec) else None for s in self.specs)
+    def attention_views(self) -> tuple[list[tuple[int, int | None]], list[int]]:
+        """The distinct (group, window) pairs layers attend through, and each layer's index into them:
+        one per group on the hybrid allocator; in the uniform one, a group's layers may differ."""
+        views: list[tuple[int, int | None]] = []
+        of_layer = []
+        for g, w in zip(self.group_of_layer, self.layer_windows, strict=True):
+            if (g, w) not in views:
+                views.append((g, w))
+            of_layer.append(views.index((g, w)))
+        return views, of_layer

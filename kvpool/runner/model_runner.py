@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -103,7 +103,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "bfloat16", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
-                 enable_cascade: bool = True) -> None:
+                 enable_cascade: bool = True, hybrid: bool = True) -> None:
         self.enable_cascade = enable_cascade
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype)
@@ -113,7 +113,9 @@ class ModelRunner:
         self.arch = arch
         self.block_size = block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim, elem)
+        self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim, elem,
+                                               hybrid=hybrid)
+        self._views, self._view_of_layer = self.layout.attention_views()
         # A block id is one page in each of the layers_per_group shared tensors (see LayerLayout).
         self.bytes_per_block = (2 * block_size * arch.num_kv_heads * arch.head_dim * elem
                                 * self.layout.layers_per_group)
@@ -176,9 +178,12 @@ class ModelRunner:
                 seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
         metas = []
-        for g in range(n_groups):
-            meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks[g]).to(dev), seqs=seqs[g],
-                                     window=self.layout.group_windows[g])
+        slots = [torch.cat(c).to(dev) for c in slot_chunks]
+        for g, window in self._views:
+            # Planning annotates the sequences, so each view of a group gets its own copies.
+            views_of_g = sum(v[0] == g for v in self._views)
+            group_seqs = seqs[g] if views_of_g == 1 else [replace(x) for x in seqs[g]]
+            meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window)
             plan_windows(meta, bs)
             if self.enable_cascade:
                 plan_cascades(meta, bs)
@@ -240,9 +245,8 @@ class ModelRunner:
         if not steps:
             return {}
         input_ids, positions, metas = self._metadata(steps)
-        layer_metas = metas if len(metas) == 1 else [metas[g] for g in self.layout.group_of_layer]
         hidden = self.model(input_ids, positions, self.kv_caches,
-                            layer_metas[0] if len(metas) == 1 else layer_metas)
+                            metas[0] if len(metas) == 1 else [metas[v] for v in self._view_of_layer])
         self.num_tokens_computed += int(input_ids.shape[0])
         rows, want = [], []
         t = 0

@@ -42,6 +42,8 @@ SETTINGS = {
     "no caching": dict(num_blocks=200, enable_prefix_caching=False),
     "chunked": dict(num_blocks=200, max_num_batched_tokens=16),
     "small pool": dict(max_num_batched_tokens=32),  # num_blocks per model: SMALL_POOL
+    # The uniform allocator (every layer's blocks kept): the baseline of `bench prefix`, same tokens.
+    "uniform allocator": dict(num_blocks=200, hybrid_allocator=False),
 }
 # Just over what the longest request (93 tokens) holds alone: requests together must evict and preempt.
 SMALL_POOL = {"mistral": 18, "gemma3": 24 + 5 * 15 + 4}
@@ -66,6 +68,9 @@ def test_greedy_tokens_equal_transformers(model: str, setting: str, request: pyt
     assert [o.token_ids for o in alone] == references[model]
     assert [o.token_ids for o in together] == references[model]
     llm.engine.kv.check_integrity()
+    if setting == "uniform allocator":
+        assert [type(s).__name__ for s in llm.engine.kv.specs] == ["FullAttentionSpec"]
+        assert alone[1].num_cached_tokens == 68
     if setting == "small pool":
         assert llm.engine.scheduler.stats.num_preemptions > 0
     if setting == "caching":
