@@ -18,13 +18,15 @@ import torch
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.request import MultiModalItem
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import EngineConfig, parse_size
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
+from kvpool.engine.stage_outputs import StageOutputCollector
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
+from kvpool.runner.multimodal import MMInput, MultiModalProcessor, PlacedInput
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,10 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.runner = ModelRunner(self.model_dir, dtype=config.dtype, block_size=config.block_size,
                                   kv_cache_memory=config.kv_cache_bytes(), device=config.device,
-                                  num_blocks=config.num_blocks)
+                                  num_blocks=config.num_blocks, stage_outputs=config.stage_outputs,
+                                  stage_output_layers=config.stage_output_layers,
+                                  stage_output_cache=config.enable_prefix_caching,
+                                  batch_invariant=config.batch_invariant)
         bs = config.block_size
         # A request must fit the pool alone, so it can always finish once the others are preempted.
         capacity = (self.runner.num_blocks - 1) * bs
@@ -75,6 +80,11 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.model_dir)
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
+        self.mm = MultiModalProcessor(self.runner.arch.hidden_size, config.vision_encoder,
+                                      parse_size(config.encoder_cache_size, "encoder_cache_size"))
+        self._mm_inputs: dict[str, list[PlacedInput]] = {}
+        self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
+                              if config.stage_outputs else None)
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -97,7 +107,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, lora_id: int | str | None = None,
-                    cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = ()) -> Request:
+                    cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
+                    mm_inputs: Sequence[MMInput] = ()) -> Request:
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -112,6 +123,12 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
+        placed: list[PlacedInput] = []
+        if mm_inputs:
+            if mm_items:
+                raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
+            placed = self.mm.prepare(mm_inputs, len(ids))
+            mm_items = [p.item for p in placed]
         req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
                       cache_salt=cache_salt, prompt=text)
@@ -120,6 +137,8 @@ class LLMEngine:
             g.manual_seed(params.seed)
             self._generators[rid] = g
         self.scheduler.add_request(req)
+        if placed:
+            self._mm_inputs[rid] = placed
         return req
 
     def abort_request(self, request_id: str) -> bool:
@@ -140,6 +159,8 @@ class LLMEngine:
             self.runner.execute_swaps(out.swap_plan)
             return []
         sampled = self.runner.execute(self._steps(out), out.swap_plan)
+        if self.stage_outputs is not None:
+            self.stage_outputs.collect(out, self.runner.last_outputs)
         progressed = self.scheduler.update_from_output(out, sampled)
         results = []
         for req in progressed:
@@ -157,6 +178,9 @@ class LLMEngine:
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos,
                                  self.kv.get_block_ids(req.request_id)[0], end == req.num_tokens,
                                  req.sampling_params, self._generators.get(req.request_id)))
+            placed = self._mm_inputs.get(req.request_id)
+            if placed:
+                steps[-1].embeds = self.mm.embeddings(placed, s.start_pos, end)
         return steps
 
     def _detokenize(self, req: Request) -> str:
@@ -186,7 +210,11 @@ class LLMEngine:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.all_token_ids[:req.num_prompt_tokens],
             outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), reason,
                                       req.stop_reason if finished else None)],
-            finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics)
+            finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics,
+            stage_outputs=self.stage_outputs.take(req.request_id) if finished and self.stage_outputs else None)
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._mm_inputs.pop(request_id, None)
+        if self.stage_outputs is not None:
+            self.stage_outputs.forget(request_id)

@@ -7,7 +7,7 @@ three and two. Weight names are the Hugging Face ones, so a transformers checkpo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,10 +153,21 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                capture: dict[str, torch.Tensor] | None = None, capture_layers: Sequence[int] = ()
+                ) -> torch.Tensor:
+        """`inputs_embeds` = (rows, embeddings) replaces the token embeddings of those rows (image
+        features, a previous stage's outputs); `capture` receives `layer_{i}`, the residual stream
+        after layer i, for each i in `capture_layers`."""
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        if inputs_embeds is not None:
+            rows, embeds = inputs_embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, positions, self.rotary, kv, meta)
+            if capture is not None and i in capture_layers:
+                capture[f"layer_{i}"] = x
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

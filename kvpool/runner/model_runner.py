@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,10 @@ import torch
 
 from kvpool.core.swap import SwapPlan
 from kvpool.runner.attention import AttentionMetadata, SeqAttn, plan_cascades, plan_decode_batch, plan_masks
+from kvpool.runner.invariant import make_batch_invariant, pad_rows
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
+from kvpool.runner.stage_output_cache import StageOutputCache
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class SeqStep:
     sample: bool  # this chunk ends at the request's last known token: sample the next one
     sampling: SamplingLike | None = None
     generator: torch.Generator | None = None
+    # (rows within token_ids, embeddings): inputs replacing those tokens' embeddings (images, stage inputs)
+    embeds: tuple[list[int], torch.Tensor] | None = None
 
 
 def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
@@ -84,12 +89,19 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "bfloat16", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
-                 enable_cascade: bool = True) -> None:
+                 enable_cascade: bool = True, stage_outputs: bool = False,
+                 stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
+                 batch_invariant: bool = False) -> None:
         self.enable_cascade = enable_cascade
+        self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype)
+        if batch_invariant and self.dtype != torch.float32:
+            raise ValueError(f"batch_invariant: needs dtype float32, got {dtype!r}")
         t0 = time.perf_counter()
         self.model, self.hf_config = load_llama(model_dir, self.dtype, self.device)
+        if batch_invariant:
+            make_batch_invariant(self.model)
         arch = self.model.arch
         self.arch = arch
         self.block_size = block_size
@@ -112,6 +124,15 @@ class ModelRunner:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self.swap_seconds = 0.0
+        # Omni stages: per-token outputs of the last step (request id -> name -> rows), and their
+        # cache beside the KV blocks (see stage_output_cache.py).
+        for i in stage_output_layers:
+            if not 0 <= i < arch.num_layers:
+                raise ValueError(f"stage_output_layers: layer {i} is not in [0, {arch.num_layers})")
+        self.stage_outputs = stage_outputs
+        self.stage_output_layers = tuple(stage_output_layers)
+        self.stage_cache = StageOutputCache(num_blocks, block_size) if stage_outputs and stage_output_cache else None
+        self.last_outputs: dict[str, dict[str, torch.Tensor]] = {}
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
                  num_blocks * self.bytes_per_block / 2**20)
@@ -143,6 +164,9 @@ class ModelRunner:
             seqs.append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), seqs=seqs)
+        if self.batch_invariant:
+            meta.batch_invariant = True
+            return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), meta)
         if self.enable_cascade:
             plan_cascades(meta, bs)
             self.num_cascade_steps += bool(meta.groups)
@@ -162,6 +186,8 @@ class ModelRunner:
                                 torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
                                for _ in range(self.arch.num_layers)]
         log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
+        if self.stage_cache is not None:
+            self.stage_cache.set_num_host_blocks(n)
         return n
 
     def execute_swaps(self, plan: SwapPlan | None) -> None:
@@ -187,10 +213,46 @@ class ModelRunner:
                 dv.index_copy_(1, d_ids, hv.index_select(1, h_ids).to(dev, non_blocking=True))
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the forward must see the copies
+        if self.stage_cache is not None:
+            self.stage_cache.apply_swaps(plan)  # the stage outputs follow their blocks between tiers
         self.num_blocks_swapped_out += len(plan.swap_out)
         self.num_blocks_swapped_in += len(plan.swap_in)
         # Measured so the case for overlapping copies with compute (a copy thread) rests on numbers.
         self.swap_seconds += time.perf_counter() - t0
+
+    def _forward_with_outputs(self, steps: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor,
+                              meta: AttentionMetadata) -> torch.Tensor:
+        """The forward with input embeddings and/or per-token outputs (into `last_outputs`)."""
+        rows: list[int] = []
+        chunks: list[torch.Tensor] = []
+        t = 0
+        for s in steps:
+            if s.embeds is not None:
+                local, emb = s.embeds
+                if emb.shape[0] != len(local) or emb.shape[-1] != self.arch.hidden_size:
+                    raise ValueError(f"{s.req_id}: embeddings of shape {tuple(emb.shape)} for {len(local)} rows; "
+                                     f"hidden size is {self.arch.hidden_size}")
+                rows.extend(t + r for r in local)
+                chunks.append(emb)
+            t += len(s.token_ids)
+        embeds = None
+        if rows:
+            embeds = (torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(chunks).to(self.device))
+        capture: dict[str, torch.Tensor] = {}
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds,
+                            capture=capture, capture_layers=self.stage_output_layers)
+        self.last_outputs = {}
+        if self.stage_outputs:
+            outputs = {"hidden_states": hidden, **capture}
+            outputs = {k: v.to("cpu") for k, v in outputs.items()}
+            if self.stage_cache is not None:
+                self.stage_cache.write(outputs, meta.slot_mapping)
+            t = 0
+            for s in steps:
+                n = len(s.token_ids)
+                self.last_outputs[s.req_id] = {k: v[t:t + n] for k, v in outputs.items()}
+                t += n
+        return hidden
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:
@@ -202,7 +264,10 @@ class ModelRunner:
         if not steps:
             return {}
         input_ids, positions, meta = self._metadata(steps)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not self.stage_outputs and all(s.embeds is None for s in steps):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self._forward_with_outputs(steps, input_ids, positions, meta)
         self.num_tokens_computed += int(input_ids.shape[0])
         rows, want = [], []
         t = 0
@@ -213,7 +278,11 @@ class ModelRunner:
                 want.append(s)
         if not want:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        last = hidden[torch.tensor(rows, device=self.device)]
+        if self.batch_invariant:
+            logits = self.model.compute_logits(pad_rows(last))[:len(rows)]
+        else:
+            logits = self.model.compute_logits(last)
         params = [s.sampling for s in want]
         tokens = sample(logits, params, [s.generator for s in want])  # type: ignore[arg-type]
         return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}
