@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_engine_arguments(gen)
 
+    from kvpool.omni import cli as omni_cli
+
+    omni_cli.add_arguments(sub.add_parser("omni", help="the thinker -> talker pipeline: text, then codes"))
+
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kvpool.bench import manager, multiturn, prefix
@@ -61,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     bm = bsub.add_parser("multiturn", help="multi-turn chats: device-only vs device + host tier, and the ceiling")
     multiturn.add_arguments(bm)
     add_engine_arguments(bm)
+    from kvpool.bench import omni as bench_omni
+
+    bench_omni.add_arguments(bsub.add_parser("omni", help="the two-stage pipeline with stage-output caching on/off"))
     return p
 
 
@@ -89,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "omni":
+            from kvpool.omni import cli as omni_cli
+
+            omni_cli.run(args)
+        elif args.command == "bench" and args.bench == "omni":
+            from kvpool.bench import omni as bench_omni
+
+            bench_omni.run(args)
         elif args.command == "bench" and args.bench == "manager":
             from kvpool.bench import manager
 
