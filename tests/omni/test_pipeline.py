@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_llama
+from conftest import TINY_VOCAB
 
 from kvpool.engine.engine import LLMEngine
 from kvpool.omni.pipeline import OmniOutput, Pipeline, StageConfig, reference_pipeline
@@ -127,13 +127,12 @@ def test_stage_config_is_checked(tiny_llama_dir: Path) -> None:
                                                                      batch_invariant=True))])
 
 
-def test_batch_invariance_is_what_makes_it_exact(tmp_path: Path, talker_dir: Path) -> None:
+def test_batch_invariance_is_what_makes_it_exact(tiny_llama_dir: Path, talker_dir: Path) -> None:
     # Without batch-invariant kernels the thinker's rows for the same tokens differ in the last bits
     # between a prefix hit and a recomputation: the stage-output cache alone is not enough.
-    thinker = make_tiny_llama(tmp_path / "t")
     outs = {}
     for caching in (True, False):
-        p = reference_pipeline(str(thinker), str(talker_dir), enable_prefix_caching=caching, thinker_tokens=6,
+        p = reference_pipeline(str(tiny_llama_dir), str(talker_dir), enable_prefix_caching=caching, thinker_tokens=6,
                                talker_tokens=5, layer=0,
                                thinker_engine=dict(skip_tokenizer_init=True, block_size=4, num_blocks=128,
                                                    batch_invariant=False))
