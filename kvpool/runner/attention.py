@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvpool.runner.invariant import MIN_ROWS
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 # Below this many shared tokens a cascade costs more than it saves.
@@ -297,7 +299,7 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qs = q[s.q_start:s.q_end].float().view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
         rows = n * g
         # At least MIN_ROWS rows per matmul (see kvpool.runner.invariant); padded rows sit at position 0.
-        pad = max(0, 16 - rows)
+        pad = max(0, MIN_ROWS - rows)
         qs = F.pad(qs, (0, 0, 0, pad))
         span = -(-ctx // c) * c
         kk = gather_blocks(k_cache, s.block_ids).float()
