@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvpool.engine.config import EngineConfig
-from kvpool.engine.engine import LLMEngine
+from kvpool.engine.llm import LLM
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import EmbedsInput, MMInput
@@ -59,29 +58,14 @@ class StageConfig:
 class Stage:
     def __init__(self, config: StageConfig) -> None:
         self.config = config
-        self.engine = LLMEngine(EngineConfig(model=config.model, enable_prefix_caching=config.enable_prefix_caching,
-                                             stage_outputs=bool(config.outputs),
-                                             stage_output_layers=config.output_layers(), **config.engine))
+        self.llm = LLM(config.model, enable_prefix_caching=config.enable_prefix_caching,
+                       stage_outputs=bool(config.outputs), stage_output_layers=config.output_layers(), **config.engine)
+        self.engine = self.llm.engine
 
     def run(self, prompts: Sequence[Sequence[int]], mm_inputs: Sequence[Sequence[MMInput]] | None = None
             ) -> list[RequestOutput]:
         """Run every prompt to completion (batched by the engine); outputs in the prompts' order."""
-        eng = self.engine
-        order: dict[str, int] = {}
-        try:
-            for i, p in enumerate(prompts):
-                req = eng.add_request(list(p), self.config.sampling, mm_inputs=mm_inputs[i] if mm_inputs else ())
-                order[req.request_id] = i
-        except Exception:
-            for rid in order:  # a bad input rejects the batch without leaking the others' blocks
-                eng.abort_request(rid)
-            raise
-        results: list[RequestOutput | None] = [None] * len(order)
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
-        return [r for r in results if r is not None]
+        return self.llm.generate([list(p) for p in prompts], self.config.sampling, use_tqdm=False, mm_inputs=mm_inputs)
 
 
 class Connector(nn.Module):

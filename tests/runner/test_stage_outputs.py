@@ -17,7 +17,7 @@ def test_outputs_match_transformers(tiny_llama_dir: Path, invariant: bool) -> No
 
     llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=64,
               stage_outputs=True, stage_output_layers=(0,), batch_invariant=invariant, max_num_batched_tokens=7)
-    prompts = [list(range(3, 25)), list(range(3, 20)) + [99, 98]]
+    prompts = [list(range(3, 25)), [*range(3, 20), 99, 98]]
     outs = llm.generate(prompts, SamplingParams.greedy(5), use_tqdm=False)
     ref = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
     for p, o in zip(prompts, outs, strict=True):
