@@ -19,7 +19,7 @@ import torch
 
 from kvpool.core.swap import SwapPlan
 from kvpool.runner.attention import AttentionMetadata, SeqAttn, plan_cascades, plan_decode_batch, plan_masks
-from kvpool.runner.invariant import make_batch_invariant, pad_rows
+from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
 from kvpool.runner.stage_output_cache import StageOutputCache
@@ -280,7 +280,9 @@ class ModelRunner:
             return {}
         last = hidden[torch.tensor(rows, device=self.device)]
         if self.batch_invariant:
-            logits = self.model.compute_logits(pad_rows(last))[:len(rows)]
+            # One row per call, so always the one-row kernel, whatever the batch: as invariant as
+            # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
+            logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
         else:
             logits = self.model.compute_logits(last)
         params = [s.sampling for s in want]
