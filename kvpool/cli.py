@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_options.add_arguments(srv)
     add_engine_arguments(srv)
 
+    from kvpool.omni import cli as omni_cli
+
+    omni_cli.add_arguments(sub.add_parser("omni", help="the thinker -> talker pipeline: text, then codes"))
+
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kvpool.bench import manager, memory, multiturn, prefix
@@ -75,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import serve as bench_serve
 
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-test an OpenAI-compatible server on this machine"))
+
+    from kvpool.bench import omni as bench_omni
+
+    bench_omni.add_arguments(bsub.add_parser("omni", help="the two-stage pipeline with stage-output caching on/off"))
     return p
 
 
@@ -107,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             from kvpool.server import serve
 
             serve.run(args, engine_kwargs(args))
+
+        elif args.command == "omni":
+            from kvpool.omni import cli as omni_cli
+
+            omni_cli.run(args)
+        elif args.command == "bench" and args.bench == "omni":
+            from kvpool.bench import omni as bench_omni
+
+            bench_omni.run(args)
         elif args.command == "bench" and args.bench == "manager":
             from kvpool.bench import manager
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
@@ -48,6 +49,14 @@ class EngineConfig:
     write_through: bool = False  # copy every newly full block to the host tier, not only on eviction
     # False: every layer in one full-attention group (the uniform allocator), for comparisons.
     hybrid_allocator: bool = True
+    # Omni stages: collect per-token outputs (final hidden states, plus the residual stream after each of
+    # `stage_output_layers`) for every request; cached beside the KV blocks when prefix caching is on.
+    stage_outputs: bool = False
+    stage_output_layers: tuple[int, ...] = ()
+    vision_encoder: Any = None  # an nn.Module mapping images to embeddings (see kvpool.runner.vision)
+    encoder_cache_size: int | str = "256MiB"
+    # Results independent of batching, chunking and prefix hits, bit for bit (slower attention).
+    batch_invariant: bool = False
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

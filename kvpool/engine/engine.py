@@ -20,13 +20,15 @@ from tokenizers.decoders import DecodeStream
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.request import MultiModalItem
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import EngineConfig, parse_size
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
+from kvpool.engine.stage_outputs import StageOutputCollector
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
+from kvpool.runner.multimodal import MMInput, MultiModalProcessor, PlacedInput
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,10 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.runner = ModelRunner(self.model_dir, dtype=config.dtype, block_size=config.block_size,
                                   kv_cache_memory=config.kv_cache_bytes(), device=config.device,
-                                  num_blocks=config.num_blocks, hybrid=config.hybrid_allocator)
+                                  num_blocks=config.num_blocks, hybrid=config.hybrid_allocator,
+                                  stage_outputs=config.stage_outputs, stage_output_layers=config.stage_output_layers,
+                                  stage_output_cache=config.enable_prefix_caching,
+                                  batch_invariant=config.batch_invariant)
         bs = config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         self.max_model_len = self._longest_fitting_request(self.max_model_len)
@@ -80,6 +85,11 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._decoders: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
         self._ids = itertools.count()
+        self.mm = MultiModalProcessor(self.runner.arch.hidden_size, config.vision_encoder,
+                                      parse_size(config.encoder_cache_size, "encoder_cache_size"))
+        self._mm_inputs: dict[str, list[PlacedInput]] = {}
+        self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
+                              if config.stage_outputs else None)
 
     def _longest_fitting_request(self, limit: int) -> int:
         """A request must fit the pool alone, so it can always finish once the others are preempted: the
@@ -122,7 +132,8 @@ class LLMEngine:
 
     def make_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                      request_id: str | None = None, lora_id: int | str | None = None,
-                     cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = ()) -> Request:
+                     cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
+                     mm_inputs: Sequence[MMInput] = ()) -> Request:
         """Validate, tokenize and hash a request without queueing it (safe off the engine's thread)."""
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
@@ -138,21 +149,32 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
-        return Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
-                       cache_salt=cache_salt, prompt=text)
+        placed: list[PlacedInput] = []
+        if mm_inputs:
+            if mm_items:
+                raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
+            placed = self.mm.prepare(mm_inputs, len(ids))
+            mm_items = [p.item for p in placed]
+        req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
+                      max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
+                      cache_salt=cache_salt, prompt=text)
+        req.mm_placed = placed
+        return req
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, lora_id: int | str | None = None,
-                    cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = ()) -> Request:
+                    cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
+                    mm_inputs: Sequence[MMInput] = ()) -> Request:
         req = self.make_request(prompt, sampling_params, request_id=request_id, lora_id=lora_id,
-                                cache_salt=cache_salt, mm_items=mm_items)
+                                cache_salt=cache_salt, mm_items=mm_items, mm_inputs=mm_inputs)
         self.enqueue(req)
         return req
 
     def enqueue(self, req: Request) -> None:
         """Hand a request made by `make_request` to the scheduler."""
         self.scheduler.add_request(req)
+        if req.mm_placed:
+            self._mm_inputs[req.request_id] = req.mm_placed
         seed = req.sampling_params.seed
         if seed is not None:
             g = torch.Generator(device=self.runner.device)
@@ -177,6 +199,8 @@ class LLMEngine:
             self.runner.execute_swaps(out.swap_plan)
             return []
         sampled = self.runner.execute(self._steps(out), out.swap_plan)
+        if self.stage_outputs is not None:
+            self.stage_outputs.collect(out, self.runner.last_outputs)
         progressed = self.scheduler.update_from_output(out, sampled)
         results = []
         for req in progressed:
@@ -194,6 +218,9 @@ class LLMEngine:
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
                                  end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
                                  tables if len(tables) > 1 else None))
+            placed = self._mm_inputs.get(req.request_id)
+            if placed:
+                steps[-1].embeds = self.mm.embeddings(placed, s.start_pos, end)
         return steps
 
     def _detokenize(self, req: Request) -> str:
@@ -253,8 +280,12 @@ class LLMEngine:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.all_token_ids[:req.num_prompt_tokens],
             outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), reason,
                                       req.stop_reason if finished else None)],
-            finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics)
+            finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics,
+            stage_outputs=self.stage_outputs.take(req.request_id) if finished and self.stage_outputs else None)
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._decoders.pop(request_id, None)
+        self._mm_inputs.pop(request_id, None)
+        if self.stage_outputs is not None:
+            self.stage_outputs.forget(request_id)

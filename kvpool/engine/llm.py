@@ -9,6 +9,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.multimodal import MMInput
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, str]]
@@ -24,8 +25,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs keep the prompts' order."""
+                 use_tqdm: bool = True, cache_salt: str | None = None,
+                 mm_inputs: Sequence[Sequence[MMInput]] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs keep the prompts' order.
+
+        `mm_inputs[i]`: the images or ready embeddings of prompt i (see kvpool.runner.multimodal)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -36,7 +40,9 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        return self._run(prompts, params, use_tqdm, cache_salt)
+        if mm_inputs is not None and len(mm_inputs) != len(prompts):
+            raise ValueError("mm_inputs: one list per prompt")
+        return self._run(prompts, params, use_tqdm, cache_salt, mm_inputs)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -47,13 +53,13 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             cache_salt: str | None) -> list[RequestOutput]:
+             cache_salt: str | None, mm_inputs: Sequence[Sequence[MMInput]] | None = None) -> list[RequestOutput]:
         eng = self.engine
         order: dict[str, int] = {}
         added: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-                req = eng.add_request(p, sp, cache_salt=cache_salt)
+                req = eng.add_request(p, sp, cache_salt=cache_salt, mm_inputs=mm_inputs[i] if mm_inputs else ())
                 order[req.request_id] = i
                 added.append(req.request_id)
         except Exception:

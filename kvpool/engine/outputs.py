@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpool.engine.request import RequestMetrics
 
@@ -25,6 +26,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Omni stages (stage_outputs=True), once finished: name -> (tokens computed, *D) per-token outputs.
+    stage_outputs: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvpool.runner.invariant import MIN_ROWS
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 # Below this many shared tokens a cascade costs more than it saves.
@@ -65,6 +67,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # (B, W * block_size) True where a key is visible
     # Sliding-window layers: each query sees the `window` most recent positions, itself included.
     window: int | None = None
+    # Every sequence through `invariant_attention` (no cascades, no decode batch, no fresh-prefill kernel).
+    batch_invariant: bool = False
 
 
 def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MIN_CASCADE_TOKENS) -> None:
@@ -238,6 +242,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     another sequence of the same step computes (a prefix hit on blocks cached at allocation time).
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.batch_invariant:
+        return invariant_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     grouped = bool(meta.groups)
     acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if grouped else None
@@ -286,4 +292,62 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o_p, l_p = _flash_lse(q[g.rows], kp, vp, scale)
         merged, _ = _merge(acc[g.rows], lse[g.rows], o_p, l_p)  # type: ignore[index]
         out[g.rows] = merged.to(q.dtype)
+    return out
+
+
+# Keys per reduction step of `invariant_attention`, at absolute positions 0, C, 2C, ...
+INVARIANT_CHUNK = 64
+
+
+def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """Attention whose result for a query depends only on its position and the cached keys, never on
+    how the step batched it: which other sequences ran, how the prompt was chunked, whether its
+    prefix was a cache hit or computed in the same step.
+
+    The fast paths above are not like that: the fused kernels split queries and keys into blocks
+    whose sizes follow the sequence length, so a row's floating-point sums come out in a different
+    order when the same prefix is computed within a longer prompt. Here every query reduces over
+    the keys in fixed chunks of INVARIANT_CHUNK at absolute positions, with an online softmax in
+    chunk order, in fp32; keys after the query (the causal mask, padding) contribute exact zeros.
+    What remains assumed is that a matmul's row does not depend on the number of rows (checked by
+    the omni tests against recomputation). Omni stages use it so the next stage receives the same
+    bits with the stage-output cache on or off.
+    """
+    hkv, _, _, d = k_cache.shape
+    h = q.shape[1]
+    g = h // hkv
+    c = INVARIANT_CHUNK
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        n, ctx = s.num_queries, s.context_len
+        qs = q[s.q_start:s.q_end].float().view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
+        rows = n * g
+        # At least MIN_ROWS rows per matmul (see kvpool.runner.invariant); padded rows sit at position 0.
+        pad = max(0, MIN_ROWS - rows)
+        qs = F.pad(qs, (0, 0, 0, pad))
+        span = -(-ctx // c) * c
+        kk = gather_blocks(k_cache, s.block_ids).float()
+        vv = gather_blocks(v_cache, s.block_ids).float()
+        if kk.shape[1] < span:
+            kk = F.pad(kk, (0, 0, 0, span - kk.shape[1]))
+            vv = F.pad(vv, (0, 0, 0, span - vv.shape[1]))
+        qpos = torch.arange(ctx - n, ctx, device=q.device).repeat_interleave(g)  # rows are (query, group)
+        qpos = F.pad(qpos, (0, pad))
+        m = torch.full((hkv, rows + pad), float("-inf"), device=q.device)
+        l_ = torch.zeros((hkv, rows + pad), device=q.device)
+        acc = torch.zeros((hkv, rows + pad, d), device=q.device)
+        for c0 in range(0, ctx, c):
+            sc = torch.matmul(qs, kk[:, c0:c0 + c].transpose(1, 2)) * scale  # (hkv, n * g, c)
+            kpos = torch.arange(c0, c0 + c, device=q.device)
+            sc.masked_fill_((kpos[None, :] > qpos[:, None])[None], float("-inf"))
+            # Chunk 0 holds key 0, visible to every query: m is finite from then on, no NaN below.
+            m_new = torch.maximum(m, sc.amax(-1))
+            p = torch.exp(sc - m_new[..., None])
+            alpha = torch.exp(m - m_new)
+            l_ = l_ * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, vv[:, c0:c0 + c])
+            m = m_new
+        o = (acc / l_[..., None])[:, :rows]
+        out[s.q_start:s.q_end] = o.view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, h, d).to(q.dtype)
     return out

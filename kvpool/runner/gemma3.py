@@ -9,6 +9,7 @@ KV lives in their own cache groups, which keep only the window's blocks (see Lay
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,13 +130,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+                meta: AttentionMetadata | list[AttentionMetadata],
+                inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                capture: dict[str, torch.Tensor] | None = None, capture_layers: Sequence[int] = ()
+                ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
-        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
-        for layer, kv, m in zip(self.layers, kv_caches, metas, strict=True):
-            x = layer(x, positions, self.rotary_local if layer.sliding else self.rotary, kv, m)
-        return self.norm(x)
+        return self.norm(self.run_layers(x, positions, kv_caches, meta, inputs_embeds, capture, capture_layers))
+
+    def rotary_for(self, layer: nn.Module) -> Rotary:
+        return self.rotary_local if layer.sliding else self.rotary  # type: ignore[return-value]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

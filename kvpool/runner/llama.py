@@ -7,7 +7,7 @@ three and two. Weight names are the Hugging Face ones, so a transformers checkpo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,13 +170,33 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
-        """`meta`: one for all layers, or one per layer (each layer's KV cache group has its own)."""
+                meta: AttentionMetadata | list[AttentionMetadata],
+                inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                capture: dict[str, torch.Tensor] | None = None, capture_layers: Sequence[int] = ()
+                ) -> torch.Tensor:
+        """`meta`: one for all layers, or one per layer (each layer's KV cache group has its own).
+        `inputs_embeds` = (rows, embeddings) replaces the token embeddings of those rows (image features,
+        a previous stage's outputs); `capture` receives `layer_{i}`, the residual stream after layer i,
+        for each i in `capture_layers`."""
         x = self.embed_tokens(input_ids)
+        return self.norm(self.run_layers(x, positions, kv_caches, meta, inputs_embeds, capture, capture_layers))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   meta: AttentionMetadata | list[AttentionMetadata],
+                   inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None,
+                   capture: dict[str, torch.Tensor] | None, capture_layers: Sequence[int]) -> torch.Tensor:
+        if inputs_embeds is not None:
+            rows, embeds = inputs_embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
-        for layer, kv, m in zip(self.layers, kv_caches, metas, strict=True):
-            x = layer(x, positions, self.rotary, kv, m)
-        return self.norm(x)
+        for i, (layer, kv, m) in enumerate(zip(self.layers, kv_caches, metas, strict=True)):
+            x = layer(x, positions, self.rotary_for(layer), kv, m)
+            if capture is not None and i in capture_layers:
+                capture[f"layer_{i}"] = x
+        return x
+
+    def rotary_for(self, layer: nn.Module) -> Rotary:
+        return self.rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:

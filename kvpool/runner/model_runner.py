@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from kvpool.core.kv_cache_spec import KVCacheSpec
+from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kvpool.core.swap import SwapPlan
 from kvpool.runner.attention import (
     AttentionMetadata,
@@ -27,9 +28,11 @@ from kvpool.runner.attention import (
     plan_windows,
 )
 from kvpool.runner.gemma3 import Gemma3Arch, Gemma3ForCausalLM
+from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
+from kvpool.runner.stage_output_cache import StageOutputCache
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class SeqStep:
     generator: torch.Generator | None = None
     # Models with several KV cache groups (sliding-window layers): every group's table, group 0 first.
     group_block_ids: tuple[list[int], ...] | None = None
+    # (rows within token_ids, embeddings): inputs replacing those tokens' embeddings (images, stage inputs)
+    embeds: tuple[list[int], torch.Tensor] | None = None
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
@@ -103,12 +108,21 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "bfloat16", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
-                 enable_cascade: bool = True, hybrid: bool = True) -> None:
+                 enable_cascade: bool = True, hybrid: bool = True, stage_outputs: bool = False,
+                 stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
+                 batch_invariant: bool = False) -> None:
         self.enable_cascade = enable_cascade
+        self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype)
+        if batch_invariant and self.dtype != torch.float32:
+            raise ValueError(f"batch_invariant: needs dtype float32, got {dtype!r}")
         t0 = time.perf_counter()
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        if batch_invariant:
+            if any(w is not None for w in self.model.arch.layer_windows):
+                raise ValueError("batch_invariant: sliding-window models are not supported in this mode")
+            make_batch_invariant(self.model)
         arch = self.model.arch
         self.arch = arch
         self.block_size = block_size
@@ -137,6 +151,19 @@ class ModelRunner:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self.swap_seconds = 0.0
+        # Omni stages: per-token outputs of the last step (request id -> name -> rows), and their
+        # cache beside the KV blocks (see stage_output_cache.py).
+        for i in stage_output_layers:
+            if not 0 <= i < arch.num_layers:
+                raise ValueError(f"stage_output_layers: layer {i} is not in [0, {arch.num_layers})")
+        self.stage_outputs = stage_outputs
+        self.stage_output_layers = tuple(stage_output_layers)
+        self.stage_cache = StageOutputCache(num_blocks, block_size) if stage_outputs and stage_output_cache else None
+        specs = self.layout.specs
+        if self.stage_cache is not None and (len(specs) != 1 or not isinstance(specs[0], FullAttentionSpec)):
+            # Rows live at group 0's slots; a sliding group's table holds null blocks.
+            raise ValueError("stage_output_cache: needs a model whose layers are all full attention")
+        self.last_outputs: dict[str, dict[str, torch.Tensor]] = {}
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
                  num_blocks * self.bytes_per_block / 2**20)
@@ -184,13 +211,16 @@ class ModelRunner:
             views_of_g = sum(v[0] == g for v in self._views)
             group_seqs = seqs[g] if views_of_g == 1 else [replace(x) for x in seqs[g]]
             meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window)
+            metas.append(meta)
+            if self.batch_invariant:
+                meta.batch_invariant = True
+                continue
             plan_windows(meta, bs)
             if self.enable_cascade:
                 plan_cascades(meta, bs)
                 self.num_cascade_steps += bool(meta.groups) and g == 0
             plan_decode_batch(meta, bs)
             plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)
-            metas.append(meta)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), metas)
 
     def allocate_host_cache(self, swap_space: int) -> int:
@@ -205,6 +235,8 @@ class ModelRunner:
                                 torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
                                for _ in self.kv_tensors]
         log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
+        if self.stage_cache is not None:
+            self.stage_cache.set_num_host_blocks(n)
         return n
 
     def execute_swaps(self, plan: SwapPlan | None) -> None:
@@ -230,10 +262,47 @@ class ModelRunner:
                 dv.index_copy_(1, d_ids, hv.index_select(1, h_ids).to(dev, non_blocking=True))
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the forward must see the copies
+        if self.stage_cache is not None:
+            self.stage_cache.apply_swaps(plan)  # the stage outputs follow their blocks between tiers
         self.num_blocks_swapped_out += len(plan.swap_out)
         self.num_blocks_swapped_in += len(plan.swap_in)
         # Measured so the case for overlapping copies with compute (a copy thread) rests on numbers.
         self.swap_seconds += time.perf_counter() - t0
+
+    def _forward_with_outputs(self, steps: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor,
+                              meta: AttentionMetadata | list[AttentionMetadata], slot_mapping: torch.Tensor
+                              ) -> torch.Tensor:
+        """The forward with input embeddings and/or per-token outputs (into `last_outputs`)."""
+        rows: list[int] = []
+        chunks: list[torch.Tensor] = []
+        t = 0
+        for s in steps:
+            if s.embeds is not None:
+                local, emb = s.embeds
+                if emb.shape[0] != len(local) or emb.shape[-1] != self.arch.hidden_size:
+                    raise ValueError(f"{s.req_id}: embeddings of shape {tuple(emb.shape)} for {len(local)} rows; "
+                                     f"hidden size is {self.arch.hidden_size}")
+                rows.extend(t + r for r in local)
+                chunks.append(emb)
+            t += len(s.token_ids)
+        embeds = None
+        if rows:
+            embeds = (torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(chunks).to(self.device))
+        capture: dict[str, torch.Tensor] = {}
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds,
+                            capture=capture, capture_layers=self.stage_output_layers)
+        self.last_outputs = {}
+        if self.stage_outputs:
+            outputs = {"hidden_states": hidden, **capture}
+            outputs = {k: v.to("cpu") for k, v in outputs.items()}
+            if self.stage_cache is not None:
+                self.stage_cache.write(outputs, slot_mapping)
+            t = 0
+            for s in steps:
+                n = len(s.token_ids)
+                self.last_outputs[s.req_id] = {k: v[t:t + n] for k, v in outputs.items()}
+                t += n
+        return hidden
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:
@@ -245,8 +314,11 @@ class ModelRunner:
         if not steps:
             return {}
         input_ids, positions, metas = self._metadata(steps)
-        hidden = self.model(input_ids, positions, self.kv_caches,
-                            metas[0] if len(metas) == 1 else [metas[v] for v in self._view_of_layer])
+        meta = metas[0] if len(metas) == 1 else [metas[v] for v in self._view_of_layer]
+        if not self.stage_outputs and all(s.embeds is None for s in steps):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self._forward_with_outputs(steps, input_ids, positions, meta, metas[0].slot_mapping)
         self.num_tokens_computed += int(input_ids.shape[0])
         rows, want = [], []
         t = 0
@@ -257,7 +329,13 @@ class ModelRunner:
                 want.append(s)
         if not want:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        last = hidden[torch.tensor(rows, device=self.device)]
+        if self.batch_invariant:
+            # One row per call, so always the one-row kernel, whatever the batch: as invariant as
+            # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
+            logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
+        else:
+            logits = self.model.compute_logits(last)
         params = [s.sampling for s in want]
         tokens = sample(logits, params, [s.generator for s in want])  # type: ignore[arg-type]
         return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}

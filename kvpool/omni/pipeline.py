@@ -1,0 +1,174 @@
+"""Multi-stage pipelines: stage N's per-token outputs become stage N+1's input embeddings.
+
+A stage is an `LLMEngine` running one model, configured by a `StageConfig`: the model, whether
+prefix caching is on (per stage), which per-token outputs it passes on (`hidden_states`, the final
+normed states, and `layer_{i}`, the residual stream after layer i), and how it samples. A stage with
+prefix caching on keeps its outputs in the stage-output cache beside its KV blocks, so a prefix hit
+still hands the next stage every token's outputs (see kvpool/runner/stage_output_cache.py).
+
+Between two stages a `Connector` concatenates the passed outputs per token and projects them into
+the next model's hidden size (a fixed, seeded linear map); the next stage's prompt is that many
+placeholder tokens whose embeddings are replaced by the projection (`EmbedsInput`), hashed by content
+so its own prefix cache only hits on identical inputs.
+
+The reference pipeline (`reference_pipeline`): the thinker, SmolLM2 by default, writes text; the
+talker, a seeded random-weight decoder (kvpool/omni/talker.py), turns the thinker's states into codes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.multimodal import EmbedsInput, MMInput
+
+_LAYER = re.compile(r"layer_(\d+)")
+
+
+@dataclass
+class StageConfig:
+    name: str
+    model: str | None = None  # a local HF folder; None: the default SmolLM2
+    enable_prefix_caching: bool = True
+    outputs: tuple[str, ...] = ()  # per-token outputs passed to the next stage, concatenated in this order
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine: dict[str, Any] = field(default_factory=dict)  # any other EngineConfig field
+
+    def output_layers(self) -> tuple[int, ...]:
+        layers = []
+        for name in self.outputs:
+            m = _LAYER.fullmatch(name)
+            if m:
+                layers.append(int(m.group(1)))
+            elif name != "hidden_states":
+                raise ValueError(f"outputs: {name!r} is not 'hidden_states' or 'layer_<i>' (stage {self.name!r})")
+        return tuple(layers)
+
+
+class Stage:
+    def __init__(self, config: StageConfig) -> None:
+        self.config = config
+        self.llm = LLM(config.model, enable_prefix_caching=config.enable_prefix_caching,
+                       stage_outputs=bool(config.outputs), stage_output_layers=config.output_layers(), **config.engine)
+        self.engine = self.llm.engine
+
+    def run(self, prompts: Sequence[Sequence[int]], mm_inputs: Sequence[Sequence[MMInput]] | None = None
+            ) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the engine); outputs in the prompts' order."""
+        return self.llm.generate([list(p) for p in prompts], self.config.sampling, use_tqdm=False, mm_inputs=mm_inputs)
+
+
+class Connector(nn.Module):
+    """Per-token outputs of one stage -> input embeddings of the next: concatenate, then a seeded linear map."""
+
+    def __init__(self, in_dim: int, out_dim: int, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.proj = nn.Linear(in_dim, out_dim)
+
+    @torch.inference_mode()
+    def forward(self, outputs: dict[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
+        x = torch.cat([outputs[n].float() for n in names], dim=-1)
+        return self.proj(x)
+
+
+@dataclass
+class OmniOutput:
+    stages: list[RequestOutput]  # one per stage
+    stage_inputs: list[torch.Tensor]  # the input embeddings each later stage received
+    latency: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return self.stages[0].text
+
+    @property
+    def codes(self) -> list[int]:
+        return self.stages[-1].token_ids
+
+
+class Pipeline:
+    PLACEHOLDER = 0  # token id under a stage's input embeddings (overridden, so any valid id does)
+
+    def __init__(self, stages: Sequence[StageConfig], seed: int = 0) -> None:
+        if not stages:
+            raise ValueError("stages: a pipeline needs at least one stage")
+        for a in stages[:-1]:
+            if not a.outputs:
+                raise ValueError(f"outputs: stage {a.name!r} feeds another stage but passes on no outputs")
+        self.configs = list(stages)
+        self.stages = [Stage(c) for c in stages]
+        self.seed = seed
+        self.connectors: list[Connector | None] = [None] * (len(stages) - 1)
+
+    def _connector(self, i: int, in_dim: int) -> Connector:
+        c = self.connectors[i]
+        if c is None:
+            c = self.connectors[i] = Connector(in_dim, self.stages[i + 1].engine.runner.arch.hidden_size,
+                                               seed=self.seed + i)
+        return c
+
+    def generate(self, prompts: Sequence[Sequence[int]], mm_inputs: Sequence[Sequence[MMInput]] | None = None
+                 ) -> list[OmniOutput]:
+        """Each prompt (token ids; images as `ImageInput`s for the first stage) through every stage."""
+        t0 = time.perf_counter()
+        outs = self.stages[0].run(prompts, mm_inputs)
+        results = [OmniOutput([o], []) for o in outs]
+        for i in range(1, len(self.stages)):
+            names = self.configs[i - 1].outputs
+            embeds = []
+            for o in outs:
+                assert o.stage_outputs is not None
+                width = sum(o.stage_outputs[n].shape[-1] for n in names)
+                embeds.append(self._connector(i - 1, width)(o.stage_outputs, names))
+            outs = self.stages[i].run([[self.PLACEHOLDER] * e.shape[0] for e in embeds],
+                                      [[EmbedsInput(0, e)] for e in embeds])
+            for r, o, e in zip(results, outs, embeds, strict=True):
+                r.stages.append(o)
+                r.stage_inputs.append(e)
+        for r in results:
+            r.latency = time.perf_counter() - t0
+        return results
+
+
+def reference_pipeline(thinker: str | None = None, talker: str | None = None, *, enable_prefix_caching: bool = True,
+                       thinker_tokens: int = 32, talker_tokens: int = 32, layer: int | None = None,
+                       thinker_engine: dict[str, Any] | None = None, talker_engine: dict[str, Any] | None = None,
+                       vision: bool | dict[str, Any] = False, seed: int = 0) -> Pipeline:
+    """Thinker (SmolLM2 by default) -> talker (seeded random decoder emitting codes).
+
+    The thinker passes its final hidden states and the residual stream after its middle layer
+    (`layer`). Both stages run in fp32 in batch-invariant mode, so the talker receives the same bits,
+    and emits the same codes, with prefix caching on or off. `vision` gives the thinker a seeded
+    random vision tower (`TinyVisionEncoder`, a dict: its keyword arguments) for image inputs.
+    """
+    from kvpool.omni.talker import default_talker_dir
+    from kvpool.runner.model_files import resolve_model
+
+    thinker_dir = resolve_model(thinker)
+    cfg = json.loads((thinker_dir / "config.json").read_text())
+    layer = cfg["num_hidden_layers"] // 2 if layer is None else layer
+    t_engine = {"dtype": "float32", "batch_invariant": True, **(thinker_engine or {})}
+    if vision:
+        from kvpool.runner.vision import TinyVisionEncoder
+
+        kw = {"seed": seed, **(vision if isinstance(vision, dict) else {})}
+        t_engine["vision_encoder"] = TinyVisionEncoder(out_dim=cfg["hidden_size"], **kw)
+    k_engine = {"dtype": "float32", "batch_invariant": True, "skip_tokenizer_init": True, **(talker_engine or {})}
+    return Pipeline([
+        StageConfig("thinker", str(thinker_dir), enable_prefix_caching, ("hidden_states", f"layer_{layer}"),
+                    SamplingParams(temperature=0.0, max_tokens=thinker_tokens), t_engine),
+        StageConfig("talker", talker or str(default_talker_dir(seed)), enable_prefix_caching, (),
+                    SamplingParams(temperature=0.0, max_tokens=talker_tokens, ignore_eos=True), k_engine),
+    ], seed=seed)

@@ -1,0 +1,133 @@
+"""Multimodal inputs of a request: images through a vision encoder (with its cache), or ready embeddings.
+
+Each input occupies `length` placeholder tokens of the prompt from `offset`; its embeddings replace
+those tokens' embeddings in the forward. Its content hash (over dtype, shape and bytes) and offset go
+into the hash of every block it overlaps (`MultiModalItem`), so the same placeholder tokens with
+different content never hit each other's blocks. Encoder outputs are kept in an `EncoderCache` keyed
+by the content hash, so a chunk that needs part of an image already seen (a straddling image after a
+partial prefix hit, a later prefill chunk, another request) does not run the encoder again.
+
+`EmbedsInput` carries embeddings computed elsewhere (a previous pipeline stage's outputs): no
+encoder, same hashing and placement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvpool.core.request import MultiModalItem
+from kvpool.runner.encoder_cache import EncoderCache
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image (3, H, W) float array or tensor, or a `.npy` file holding one, at prompt position `offset`."""
+
+    offset: int
+    pixels: torch.Tensor | np.ndarray | str | Path
+
+
+@dataclass(frozen=True)
+class EmbedsInput:
+    """Ready embeddings (n, hidden_size) for the n prompt tokens from `offset`."""
+
+    offset: int
+    embeds: torch.Tensor
+
+
+MMInput = ImageInput | EmbedsInput
+
+
+def content_hash(kind: str, t: torch.Tensor) -> str:
+    """A digest of a tensor's dtype, shape and bytes: equal content, equal hash, in any process."""
+    a = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{kind}|{a.dtype}|{tuple(a.shape)}|".encode())
+    h.update(a.view(torch.uint8).numpy().tobytes() if a.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class PlacedInput:
+    item: MultiModalItem  # content hash, offset, length: what the block hashes see
+    kind: str  # "image" | "embeds"
+    data: torch.Tensor  # pixels or embeddings
+
+
+class MultiModalProcessor:
+    def __init__(self, hidden_size: int, encoder: nn.Module | None = None, cache_bytes: int = 256 << 20) -> None:
+        self.hidden_size = hidden_size
+        self.encoder = encoder
+        if encoder is not None and getattr(encoder, "out_dim", hidden_size) != hidden_size:
+            raise ValueError(f"vision_encoder: outputs {encoder.out_dim} features; the model's hidden size is "
+                             f"{hidden_size}")
+        self.cache = EncoderCache(cache_bytes)
+        self.encoder_runs = 0
+
+    def prepare(self, inputs: Sequence[MMInput], num_prompt_tokens: int) -> list[PlacedInput]:
+        """Validate, load and hash a request's inputs; raises ValueError naming the field."""
+        placed: list[PlacedInput] = []
+        for x in inputs:
+            if isinstance(x, ImageInput):
+                if self.encoder is None:
+                    raise ValueError("mm_inputs: this engine has no vision encoder (set vision_encoder)")
+                pixels = x.pixels
+                if isinstance(pixels, str | Path):
+                    if not Path(pixels).is_file():
+                        raise ValueError(f"mm_inputs: image file {str(pixels)!r} not found")
+                    pixels = np.load(pixels)
+                data = torch.as_tensor(pixels).float()
+                self.encoder.check(data)  # type: ignore[operator]
+                kind, length = "image", int(self.encoder.num_tokens)  # type: ignore[arg-type]
+            elif isinstance(x, EmbedsInput):
+                data = x.embeds.detach()
+                if data.ndim != 2 or data.shape[0] < 1 or data.shape[1] != self.hidden_size:
+                    raise ValueError(f"mm_inputs: embeddings must be (n >= 1, {self.hidden_size}), got "
+                                     f"{tuple(data.shape)}")
+                kind, length = "embeds", int(data.shape[0])
+            else:
+                raise ValueError(f"mm_inputs: expected ImageInput or EmbedsInput, got {type(x).__name__}")
+            if x.offset < 0 or x.offset + length > num_prompt_tokens:
+                raise ValueError(f"mm_inputs: {kind} at offset {x.offset} needs {length} placeholder tokens; the "
+                                 f"prompt has {num_prompt_tokens}")
+            placed.append(PlacedInput(MultiModalItem(content_hash(kind, data), x.offset, length), kind, data))
+        placed.sort(key=lambda p: p.item.offset)
+        for a, b in itertools.pairwise(placed):
+            if a.item.offset + a.item.length > b.item.offset:
+                raise ValueError(f"mm_inputs: inputs at offsets {a.item.offset} and {b.item.offset} overlap")
+        return placed
+
+    def encode(self, p: PlacedInput) -> torch.Tensor:
+        """The input's embeddings, from the encoder cache when it holds them."""
+        if p.kind == "embeds":
+            return p.data
+        out = self.cache.get(p.item.content_hash)
+        if out is None:
+            assert self.encoder is not None
+            out = self.encoder(p.data)
+            self.encoder_runs += 1
+            self.cache.put(p.item.content_hash, out)
+        return out
+
+    def embeddings(self, placed: Sequence[PlacedInput], start: int, end: int
+                   ) -> tuple[list[int], torch.Tensor] | None:
+        """Rows (relative to `start`) and embeddings of the input tokens among positions [start, end)."""
+        rows: list[int] = []
+        chunks: list[torch.Tensor] = []
+        for p in placed:
+            lo, hi = max(start, p.item.offset), min(end, p.item.offset + p.item.length)
+            if lo >= hi:
+                continue  # this input lies wholly in a prefix hit or a later chunk: no encoder run
+            emb = self.encode(p)
+            rows.extend(range(lo - start, hi - start))
+            chunks.append(emb[lo - p.item.offset:hi - p.item.offset])
+        if not rows:
+            return None
+        return rows, torch.cat(chunks)

@@ -1,0 +1,128 @@
+"""Images in the thinker: a seeded random vision tower's embeddings replace placeholder tokens, the
+image's content hash and offset enter the block hashes, and the encoder cache spares encoder runs,
+including the seed's straddling image where only the first block is a prefix hit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.engine.engine import LLMEngine
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.encoder_cache import EncoderCache
+from kvpool.runner.multimodal import EmbedsInput, ImageInput
+from kvpool.runner.vision import TinyVisionEncoder
+
+P = 1  # the placeholder token id
+
+
+def image(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand((3, 8, 8), generator=g)
+
+
+def engine(model: Path, caching: bool = True, **kw: object) -> LLMEngine:
+    kw = {"num_blocks": 64, **kw}
+    return LLMEngine(model=str(model), dtype="float32", skip_tokenizer_init=True, block_size=4, batch_invariant=True,
+                     enable_prefix_caching=caching, stage_outputs=True,
+                     vision_encoder=TinyVisionEncoder(out_dim=64, seed=0), **kw)
+
+
+def run(eng: LLMEngine, prompt: list[int], images: list[ImageInput]) -> RequestOutput:
+    req = eng.add_request(prompt, SamplingParams.greedy(4), mm_inputs=images)
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished and o.request_id == req.request_id:
+                out = o
+    assert out is not None
+    return out
+
+
+def same(a: RequestOutput, b: RequestOutput) -> bool:
+    assert a.stage_outputs is not None and b.stage_outputs is not None
+    return a.token_ids == b.token_ids and torch.equal(a.stage_outputs["hidden_states"],
+                                                      b.stage_outputs["hidden_states"])
+
+
+def test_straddling_image_hits_its_first_block_and_the_encoder_cache(tiny_llama_dir: Path) -> None:
+    eng = engine(tiny_llama_dir)
+    assert eng.mm.encoder is not None and eng.mm.encoder.num_tokens == 4
+    # [t0 t1 Im0 Im1] [Im2 Im3 foo]: the image straddles the block boundary.
+    first = run(eng, [5, 6, P, P, P, P, 9], [ImageInput(2, image(0))])
+    assert eng.mm.encoder_runs == 1 and first.num_cached_tokens == 0
+    # [t0 t1 Im0 Im1] [Im2 Im3 bar baz]: block 0 (with the image's first half) is a hit; Im2 and Im3
+    # are recomputed with the embeddings from the encoder cache: no second encoder run.
+    second = run(eng, [5, 6, P, P, P, P, 10, 11], [ImageInput(2, image(0).numpy())])  # same content, as numpy
+    assert second.num_cached_tokens == 4
+    assert eng.mm.encoder_runs == 1 and eng.mm.cache.hits == 1
+    assert eng.stage_outputs is not None and eng.stage_outputs.rows_from_cache == 4
+    fresh = engine(tiny_llama_dir, caching=False)
+    ref = run(fresh, [5, 6, P, P, P, P, 10, 11], [ImageInput(2, image(0))])
+    assert same(second, ref)
+    # Same placeholder tokens, another image: no hit, and the encoder runs for it.
+    third = run(eng, [5, 6, P, P, P, P, 10, 11], [ImageInput(2, image(1))])
+    assert third.num_cached_tokens == 0 and eng.mm.encoder_runs == 2
+    assert not torch.equal(third.stage_outputs["hidden_states"][2:], second.stage_outputs["hidden_states"][2:])
+    ref3 = run(fresh, [5, 6, P, P, P, P, 10, 11], [ImageInput(2, image(1))])
+    assert same(third, ref3)
+    eng.kv.check_integrity()
+
+
+def test_an_image_inside_the_hit_needs_no_encoder(tiny_llama_dir: Path) -> None:
+    eng = engine(tiny_llama_dir, encoder_cache_size="1b")  # the cache keeps nothing
+    run(eng, [P, P, P, P, 20, 21], [ImageInput(0, image(0))])
+    assert eng.mm.encoder_runs == 1 and len(eng.mm.cache) == 0
+    out = run(eng, [P, P, P, P, 30, 31, 32], [ImageInput(0, image(0))])
+    assert out.num_cached_tokens == 4 and eng.mm.encoder_runs == 1  # block 0 holds the whole image
+    out = run(eng, [P, P, P, P, 30, 31, 32], [ImageInput(0, image(2))])
+    assert out.num_cached_tokens == 0 and eng.mm.encoder_runs == 2
+
+
+def test_chunked_prefill_runs_the_encoder_once(tiny_llama_dir: Path) -> None:
+    eng = engine(tiny_llama_dir, max_num_batched_tokens=3)  # the image spans chunks [0,3) and [3,6)
+    out = run(eng, [5, 6, P, P, P, P, 9, 9], [ImageInput(2, image(0))])
+    assert eng.mm.encoder_runs == 1 and eng.mm.cache.hits >= 1
+    assert same(out, run(engine(tiny_llama_dir, caching=False), [5, 6, P, P, P, P, 9, 9], [ImageInput(2, image(0))]))
+
+
+def test_image_file_and_bad_inputs(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    eng = engine(tiny_llama_dir)
+    f = tmp_path / "img.npy"
+    np.save(f, image(0).numpy())
+    a = run(eng, [5, 6, P, P, P, P, 9], [ImageInput(2, f)])
+    assert a.num_cached_tokens == 0 and eng.mm.encoder_runs == 1
+    free = eng.kv.get_num_free_blocks()
+    with pytest.raises(ValueError, match=r"images: expected pixel shape \(3, 8, 8\), got \(3, 4, 4\)"):
+        eng.add_request([5, P, P, P, P], mm_inputs=[ImageInput(1, torch.zeros(3, 4, 4))])
+    with pytest.raises(ValueError, match="mm_inputs: image at offset 3 needs 4 placeholder tokens; the prompt has 5"):
+        eng.add_request([5, P, P, P, P], mm_inputs=[ImageInput(3, image(0))])
+    with pytest.raises(ValueError, match="mm_inputs: inputs at offsets 0 and 2 overlap"):
+        eng.add_request([P] * 8, mm_inputs=[ImageInput(2, image(0)), ImageInput(0, image(1))])
+    with pytest.raises(ValueError, match=r"mm_inputs: embeddings must be \(n >= 1, 64\), got \(2, 3\)"):
+        eng.add_request([P] * 8, mm_inputs=[EmbedsInput(0, torch.zeros(2, 3))])
+    with pytest.raises(ValueError, match=r"mm_inputs: image file '/nonexistent\.npy' not found"):
+        eng.add_request([P] * 8, mm_inputs=[ImageInput(0, "/nonexistent.npy")])
+    plain = LLMEngine(model=str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=16)
+    with pytest.raises(ValueError, match=r"mm_inputs: this engine has no vision encoder \(set vision_encoder\)"):
+        plain.add_request([P] * 8, mm_inputs=[ImageInput(0, image(0))])
+    assert eng.kv.get_num_free_blocks() == free and not eng.has_unfinished_requests()
+
+
+def test_encoder_cache_is_lru_bounded_by_bytes() -> None:
+    c = EncoderCache(capacity_bytes=2 * 64)
+    t = [torch.full((4, 4), float(i)) for i in range(3)]  # 64 bytes each
+    c.put("a", t[0])
+    c.put("b", t[1])
+    assert c.get("a") is t[0]  # a is now the most recent
+    c.put("c", t[2])  # evicts b, the least recently used
+    assert c.keys() == ["a", "c"] and c.used_bytes == 128 and c.evictions == 1
+    assert c.get("b") is None and (c.hits, c.misses) == (1, 1)
+    c.put("big", torch.zeros(100))  # 400 bytes: never fits, not kept, nothing evicted for it
+    assert c.keys() == ["a", "c"]
+    with pytest.raises(ValueError, match="encoder_cache_size: must be >= 0 bytes, got -1"):
+        EncoderCache(-1)

@@ -1,0 +1,40 @@
+"""The runner's per-token outputs are the model's: transformers' hidden states for the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_outputs_match_transformers(tiny_llama_dir: Path, invariant: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=64,
+              stage_outputs=True, stage_output_layers=(0,), batch_invariant=invariant, max_num_batched_tokens=7)
+    prompts = [list(range(3, 25)), [*range(3, 20), 99, 98]]
+    outs = llm.generate(prompts, SamplingParams.greedy(5), use_tqdm=False)
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    for p, o in zip(prompts, outs, strict=True):
+        so = o.stage_outputs
+        assert so is not None and set(so) == {"hidden_states", "layer_0"}
+        fed = p + o.token_ids[:-1]  # every token that went through the model
+        assert so["hidden_states"].shape == (len(fed), 64) and so["layer_0"].shape == (len(fed), 64)
+        with torch.inference_mode():
+            hf = ref(torch.tensor([fed]), output_hidden_states=True).hidden_states
+        # transformers' hidden_states: [embeddings, after layer 0, ..., final normed states].
+        torch.testing.assert_close(so["layer_0"], hf[1][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(so["hidden_states"], hf[-1][0], atol=1e-4, rtol=1e-4)
+    assert outs[1].num_cached_tokens == 16  # the shared 16 tokens' rows came from the stage-output cache
+    assert llm.engine.stage_outputs is not None and llm.engine.stage_outputs.rows_from_cache == 16
+
+
+def test_plain_engine_returns_no_outputs(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=64)
+    out = llm.generate([list(range(3, 12))], SamplingParams.greedy(2), use_tqdm=False)[0]
+    assert out.stage_outputs is None and llm.engine.runner.stage_cache is None
