@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.runner.attention import AttentionMetadata, paged_attention
-from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, Rotary
+from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, RMSNorm, Rotary
 
 
 @dataclass(frozen=True)
@@ -67,17 +67,11 @@ class Gemma3Arch(LlamaArch):
             final_logit_softcapping=cfg.get("final_logit_softcapping"))
 
 
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
+class GemmaRMSNorm(RMSNorm):
+    """Scales by (1 + weight), in fp32 before casting back: the order transformers uses for Gemma."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In fp32, then (1 + w), then back: the order transformers uses for Gemma (not Llama's).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class Gemma3Layer(nn.Module):

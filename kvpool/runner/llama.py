@@ -95,11 +95,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalised in fp32, as transformers does, whatever the model dtype.
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in fp32, as transformers computes it whatever the model dtype."""
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalized(x).to(x.dtype)
 
 
 class Rotary(nn.Module):
