@@ -56,8 +56,9 @@ def run_kvpool(prompts: list[list[int]], out_len: int, caching: bool, runs: int,
     from kvpool.engine.sampling_params import SamplingParams
 
     llm = LLM(**{**engine_kw, "enable_prefix_caching": caching})
-    log.info("%s: %d KV blocks, %d requests fit at full length", "hybrid" if llm.engine.config.hybrid_allocator
-             else "uniform", llm.engine.runner.num_blocks, _requests_that_fit(llm, prompts, out_len))
+    log.info("%s allocator: %d KV blocks; %d requests of full length fit while decoding",
+             "hybrid" if llm.engine.config.hybrid_allocator else "uniform", llm.engine.runner.num_blocks,
+             _requests_that_fit(llm, prompts, out_len))
     sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate([p[:64] for p in prompts[:4]], sp, use_tqdm=False)  # warm-up: first-call costs
     results = []
@@ -119,11 +120,11 @@ def run_transformers(prompts: list[list[int]], out_len: int, batch: int, dtype: 
 
 
 def _requests_that_fit(llm: Any, prompts: list[list[int]], out_len: int) -> int:
-    """How many of the longest request the pool holds at once (every KV cache group counted)."""
+    """How many of the longest request the pool holds at once while they decode (every KV cache group
+    counted; a sliding-window group then holds its window, not the whole context)."""
     eng = llm.engine
     n = max(map(len, prompts)) + out_len
-    chunk = eng.config.max_num_batched_tokens
-    per_request = sum(s.max_blocks_held(n, chunk) for s in eng.runner.kv_cache_specs)
+    per_request = sum(s.max_blocks_held(n, 1) for s in eng.runner.kv_cache_specs)
     return (eng.runner.num_blocks - 1) // per_request
 
 
