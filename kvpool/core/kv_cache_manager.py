@@ -142,15 +142,16 @@ class KVCacheManager:
             num_hit = (len(hit) + len(host_hit)) * self.block_size
             blocks = KVCacheBlocks((hit,), host_hit)
         else:
-            hits = self._hybrid_hit(request.block_hashes, max_blocks)
+            hits, request.shared_prefix_blocks = self._hybrid_hit(request.block_hashes, max_blocks)
             num_hit = max(len(h) for h in hits) * self.block_size
             blocks = KVCacheBlocks(hits)
         self.stats.record(num_tokens, num_hit)
         self._interval_stats.record(num_tokens, num_hit)
         return blocks, num_hit
 
-    def _hybrid_hit(self, block_hashes: list[bytes], max_blocks: int) -> tuple[list[KVCacheBlock], ...]:
-        """The longest prefix every group accepts.
+    def _hybrid_hit(self, block_hashes: list[bytes], max_blocks: int
+                    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The longest prefix every group accepts, and the longest any group alone accepts.
 
         A full-attention hit of n blocks is a hit for any shorter length, but a sliding-window hit is
         not (the window before a shorter point may be gone) and a Mamba hit exists only at a boundary
@@ -162,11 +163,14 @@ class KVCacheManager:
         """
         n = max_blocks
         caching = [m for m in self.managers if m.caches_prefix]
+        longest = None
         while True:
             hits = {m.group_id: m.find_longest_cache_hit(block_hashes, n) for m in caching}
+            if longest is None:
+                longest = max((len(h) for h in hits.values()), default=0)
             shortest = min((len(h) for h in hits.values()), default=0)
             if all(len(h) == shortest for h in hits.values()):
-                return tuple(hits.get(m.group_id, []) for m in self.managers)
+                return tuple(hits.get(m.group_id, []) for m in self.managers), longest
             n = shortest
 
     def allocate_slots(
@@ -230,7 +234,7 @@ class KVCacheManager:
         for g, m in enumerate(managers):
             m.remove_skipped_blocks(rid, skipped[g])
         for g, m in enumerate(managers):
-            m.save_new_computed_blocks(rid, hits[g], request.num_prompt_tokens)
+            m.save_new_computed_blocks(rid, hits[g], request.num_prompt_tokens, request.shared_prefix_blocks)
             if host_hits:
                 self._swap_in(rid, m, host_hits)
         new = [m.allocate_new_blocks(rid, m.num_slots(request, num_slots)) for m in managers]

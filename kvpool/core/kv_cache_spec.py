@@ -65,8 +65,9 @@ class SlidingWindowSpec(KVCacheSpec):
             raise ValueError(f"sliding_window: must be an int >= 1, got {self.sliding_window!r}")
 
     def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
-        # The window before a chunk's first token, the chunk itself, and one block of misalignment.
-        bound = self.window_blocks + 1 + -(-chunk_tokens // self.block_size)
+        # The window before a chunk's first token, the chunk itself, one block of misalignment, and the
+        # windows held for later hits (before the shared prefix's end and the prompt's end).
+        bound = 3 * self.window_blocks + 1 + -(-chunk_tokens // self.block_size)
         return min(-(-num_tokens // self.block_size), bound)
 
     @property

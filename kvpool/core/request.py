@@ -62,6 +62,9 @@ class CacheRequest:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         self.num_computed_tokens = 0
+        # Blocks of the longest prefix any layer group had cached at lookup: evidence that other requests
+        # share this prefix, which hybrid managers keep for later hits even when the hit itself was cut.
+        self.shared_prefix_blocks = 0
         self.block_hashes: list[bytes] = []
         self.lora_id = lora_id
         self.mm_items = tuple(sorted(mm_items, key=lambda m: m.offset))

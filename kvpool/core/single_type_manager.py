@@ -68,12 +68,12 @@ class SingleTypeKVCacheManager:
         return n
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
-                                 num_prompt_tokens: int = 0) -> None:
+                                 num_prompt_tokens: int = 0, shared_prefix_blocks: int = 0) -> None:
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request_id] = []
             self.num_cached_block[request_id] = 0
-            self.start_request(request_id, len(new_computed_blocks), num_prompt_tokens)
+            self.start_request(request_id, len(new_computed_blocks), num_prompt_tokens, shared_prefix_blocks)
         if new_computed_blocks:
             if blocks:
                 raise ValueError(f"request {request_id}: prefix hits must come before its first block")
@@ -81,7 +81,8 @@ class SingleTypeKVCacheManager:
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request_id] = len(new_computed_blocks)
 
-    def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int) -> None:
+    def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int,
+                      shared_prefix_blocks: int = 0) -> None:
         """A request's first allocation in this group (types with eviction preferences note anchors)."""
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
@@ -143,11 +144,14 @@ class _AnchoredManager(SingleTypeKVCacheManager):
         # Per request: boundaries (in blocks) where a later hit is likely.
         self.anchors: dict[str, tuple[int, ...]] = {}
 
-    def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int) -> None:
-        # The prompt's end (a later prompt extending it) and the last hit point a repeat of the prompt
-        # can have (its last token is always recomputed).
+    def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int,
+                      shared_prefix_blocks: int = 0) -> None:
+        # The prompt's end (a later prompt extending it), the last hit point a repeat of the prompt
+        # can have (its last token is always recomputed), and where the prefix other requests share
+        # ends: some group had it cached, even if this request's hit was cut short by another group.
         bs = self.block_size
-        self.anchors[request_id] = (num_hit_blocks, num_prompt_tokens // bs, max(0, num_prompt_tokens - 1) // bs)
+        self.anchors[request_id] = (num_hit_blocks, shared_prefix_blocks, num_prompt_tokens // bs,
+                                    max(0, num_prompt_tokens - 1) // bs)
 
     def keeps(self, index: int, boundaries: Sequence[int]) -> bool:
         """Whether block `index` is what a hit at one of `boundaries` needs."""
@@ -175,7 +179,8 @@ class _AnchoredManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(_AnchoredManager):
-    """Keeps only the blocks the window can still see; the rest of the table is the null block.
+    """Keeps only the blocks the window can still see (and the windows before its anchors, until it is
+    freed); the rest of the table is the null block.
 
     A prefix hit of n blocks needs only the window_blocks blocks right before the hit point to be
     cached: the first token computed after the hit attends to nothing older. Scanning from the
@@ -183,6 +188,11 @@ class SlidingWindowManager(_AnchoredManager):
     """
 
     spec: SlidingWindowSpec
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, block_pool, group_id)
+        self._scanned: dict[str, int] = {}  # per request: table indices below this were dealt with
+        self._scan_to: dict[str, int] = {}  # the bound of the last skipped_blocks, applied on removal
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
                                ) -> list[KVCacheBlock]:
@@ -206,31 +216,40 @@ class SlidingWindowManager(_AnchoredManager):
         return any(b - need <= index < b for b in boundaries)
 
     def skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Blocks out of the window that no later hit is likely to need, newest first. The window before
+        an anchor (see the module doc) is held until the request is freed: releasing it early would let
+        it be evicted piecemeal, and one missing block cuts every later hit at that point."""
         blocks = self.req_to_blocks.get(request_id)
         null = self.block_pool.null_block
         if not blocks or null is None:
             return []
         # The next token (at position num_computed_tokens) sees positions >= num_computed_tokens - W + 1.
-        first_visible = max(0, num_computed_tokens - self.spec.sliding_window + 1) // self.block_size
-        skipped = []
-        for i in range(min(first_visible, len(blocks)) - 1, -1, -1):
-            if blocks[i] is null:
-                break  # everything before was released already
-            skipped.append(blocks[i])
-        return skipped
+        first_visible = min(max(0, num_computed_tokens - self.spec.sliding_window + 1) // self.block_size,
+                            len(blocks))
+        self._scan_to[request_id] = first_visible
+        bounds = self.anchors.get(request_id, ())
+        return [blocks[i] for i in range(first_visible - 1, self._scanned.get(request_id, 0) - 1, -1)
+                if blocks[i] is not null and not self.keeps(i, bounds)]
 
     def remove_skipped_blocks(self, request_id: str, skipped: list[KVCacheBlock]) -> None:
+        start = self._scanned.get(request_id, 0)
+        end = self._scan_to.pop(request_id, start)
+        self._scanned[request_id] = max(start, end)
         if not skipped:
             return
         blocks = self.req_to_blocks[request_id]
         null = self.block_pool.null_block
         assert null is not None
-        end = blocks.index(skipped[0]) + 1  # the newest skipped block ends the run
-        start = end - len(skipped)
-        indexed = list(zip(range(start, end), blocks[start:end], strict=True))
-        for i in range(start, end):
+        drop = {id(b) for b in skipped}
+        indexed = [(i, blocks[i]) for i in range(start, end) if id(blocks[i]) in drop]
+        for i, _ in indexed:
             blocks[i] = null
         self.release(request_id, indexed, None)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self._scanned.pop(request_id, None)
+        self._scan_to.pop(request_id, None)
 
 
 class MambaManager(_AnchoredManager):
@@ -276,9 +295,9 @@ class MambaManager(_AnchoredManager):
         return n
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
-                                 num_prompt_tokens: int = 0) -> None:
+                                 num_prompt_tokens: int = 0, shared_prefix_blocks: int = 0) -> None:
         fresh = request_id not in self.req_to_blocks
-        super().save_new_computed_blocks(request_id, new_computed_blocks, num_prompt_tokens)
+        super().save_new_computed_blocks(request_id, new_computed_blocks, num_prompt_tokens, shared_prefix_blocks)
         if fresh:
             self.held[request_id] = [len(new_computed_blocks) - 1] if new_computed_blocks else []
 

@@ -100,5 +100,7 @@ def test_out_of_window_blocks_count_as_room_but_a_failed_allocation_keeps_them()
     # One more block fits only thanks to the released ones.
     new = mgr.allocate_slots(a, 1)
     assert new is not None and len(new) == 1
-    assert mgr.get_block_ids("a")[0][:5] == [0] * 5
+    # Blocks 0-3 released; block 4 is in the window before the prompt's last boundary (a later request
+    # repeating this prompt hits there), so it is held until a is freed.
+    assert mgr.get_block_ids("a")[0][:5] == [0, 0, 0, 0, 5]
     mgr.check_integrity()

@@ -276,9 +276,16 @@ def test_sliding_window_keeps_the_window_before_boundaries_that_matter() -> None
     assert mgr.get_block_ids("b") == ([0, 0, 0, 0, 5, 6, 8, 9, 10],)
     b.append_output_token_ids(1)
     assert mgr.allocate_slots(b, 1) is not None
-    # b's hit point is a boundary that matters (another request reached it): its window goes to the tail.
+    # b's hit point is a boundary that matters (another request reached it): the window before it
+    # (ids 5, 6) has left b's window but stays held, so it cannot be evicted piecemeal while b runs.
+    assert mgr.get_block_ids("b")[0][4:6] == [5, 6]
     free = mgr.block_pool.free_block_ids()
-    assert free[0] == 11 and free[-3:] == [7, 5, 6]
+    assert free[0] == 11 and free[-3:] == [3, 4, 7]
+    mgr.free(b)
+    # Freed: the partial last block to the front; the windows before the hit point and before the
+    # prompt's end (ids 5, 6 and 8, 9) to the tail, oldest first.
+    free = mgr.block_pool.free_block_ids()
+    assert free[0] == 10 and free[-4:] == [5, 6, 8, 9]
     mgr.check_integrity()
 
 
@@ -294,7 +301,9 @@ def test_a_group_may_use_the_room_a_later_group_releases() -> None:
     a.append_output_token_ids(1)
     # Full attention needs a block before the window group has released its old ones: all release first.
     assert mgr.allocate_slots(a, 1) is not None
-    assert mgr.get_block_ids("a") == ([1, 2, 3, 4, 5, 6], [0, 0, 0, 9, 10, 7])
+    # The window group releases blocks 0-1 (ids 6, 7); block 2 is held, being in the window before the
+    # prompt's last boundary (where a repeat of this prompt would hit).
+    assert mgr.get_block_ids("a") == ([1, 2, 3, 4, 5, 6], [0, 0, 8, 9, 10, 7])
     mgr.check_integrity()
 
 
