@@ -206,6 +206,8 @@ class ModelRunner:
             t += n
         metas = []
         slots = [torch.cat(c).to(dev) for c in slot_chunks]
+        # Masks depend on positions and the window, not on block ids: groups of one window share them.
+        masks_by_window: dict[int, AttentionMetadata] = {}
         for g, window in self._views:
             # Planning annotates the sequences, so each view of a group gets its own copies.
             views_of_g = sum(v[0] == g for v in self._views)
@@ -220,7 +222,14 @@ class ModelRunner:
                 plan_cascades(meta, bs)
                 self.num_cascade_steps += bool(meta.groups) and g == 0
             plan_decode_batch(meta, bs)
-            plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)
+            twin = masks_by_window.get(window) if window is not None else None
+            if twin is None:
+                plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)
+                if window is not None:
+                    masks_by_window[window] = meta
+            else:
+                for mine, theirs in zip(meta.seqs, twin.seqs, strict=True):
+                    mine.bias = theirs.bias
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), metas)
 
     def allocate_host_cache(self, swap_space: int) -> int:
