@@ -23,7 +23,7 @@ def gemma_dir() -> Path:
 
 
 def test_long_shared_prefix_matches_transformers(gemma_dir: Path) -> None:
-    llm = LLM(str(gemma_dir), dtype="float32", num_blocks=400, block_size=16, max_num_batched_tokens=256)
+    llm = LLM(str(gemma_dir), dtype="float32", num_blocks=600, block_size=16, max_num_batched_tokens=256)
     doc = " ".join(f"Item {i} weighs {(i * 37) % 100} grams." for i in range(120))
     prompts = [llm.engine.encode(doc + f"\nQuestion: how much does item {q} weigh?\nAnswer:") for q in (17, 63)]
     assert min(len(p) for p in prompts) > 2 * 512  # well past the window
