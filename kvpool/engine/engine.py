@@ -87,7 +87,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.mm = MultiModalProcessor(self.runner.arch.hidden_size, config.vision_encoder,
                                       parse_size(config.encoder_cache_size, "encoder_cache_size"))
-        self._mm_inputs: dict[str, list[PlacedInput]] = {}
         self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
                               if config.stage_outputs else None)
 
@@ -173,8 +172,6 @@ class LLMEngine:
     def enqueue(self, req: Request) -> None:
         """Hand a request made by `make_request` to the scheduler."""
         self.scheduler.add_request(req)
-        if req.mm_placed:
-            self._mm_inputs[req.request_id] = req.mm_placed
         seed = req.sampling_params.seed
         if seed is not None:
             g = torch.Generator(device=self.runner.device)
@@ -218,9 +215,8 @@ class LLMEngine:
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
                                  end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
                                  tables if len(tables) > 1 else None))
-            placed = self._mm_inputs.get(req.request_id)
-            if placed:
-                steps[-1].embeds = self.mm.embeddings(placed, s.start_pos, end)
+            if req.mm_placed:
+                steps[-1].embeds = self.mm.embeddings(req.mm_placed, s.start_pos, end)
         return steps
 
     def _detokenize(self, req: Request) -> str:
@@ -286,6 +282,5 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._decoders.pop(request_id, None)
-        self._mm_inputs.pop(request_id, None)
         if self.stage_outputs is not None:
             self.stage_outputs.forget(request_id)

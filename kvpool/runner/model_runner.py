@@ -130,6 +130,8 @@ class ModelRunner:
         self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim, elem,
                                                hybrid=hybrid)
         self._views, self._view_of_layer = self.layout.attention_views()
+        groups = [g for g, _ in self._views]
+        self._shared_groups = {g for g in groups if groups.count(g) > 1}  # groups seen through several windows
         # A block id is one page in each of the layers_per_group shared tensors (see LayerLayout).
         self.bytes_per_block = (2 * block_size * arch.num_kv_heads * arch.head_dim * elem
                                 * self.layout.layers_per_group)
@@ -210,8 +212,7 @@ class ModelRunner:
         masks_by_window: dict[int, AttentionMetadata] = {}
         for g, window in self._views:
             # Planning annotates the sequences, so each view of a group gets its own copies.
-            views_of_g = sum(v[0] == g for v in self._views)
-            group_seqs = seqs[g] if views_of_g == 1 else [replace(x) for x in seqs[g]]
+            group_seqs = [replace(x) for x in seqs[g]] if g in self._shared_groups else seqs[g]
             meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window)
             metas.append(meta)
             if self.batch_invariant:
