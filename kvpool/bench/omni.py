@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinker-tokens", type=int, default=8)
     p.add_argument("--talker-tokens", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="both stages (batch-invariant kernels exist for both)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
 
@@ -67,7 +69,7 @@ def _pipeline(a: argparse.Namespace, caching: bool) -> Any:
                                                   skip_tokenizer_init=True,
                                                   encoder_cache_size="256MiB" if caching else "1b"),
                               talker_engine=dict(block_size=a.block_size, kv_cache_memory="64MiB"),
-                              vision=dict(image_size=a.image_size, patch_size=4), seed=a.seed)
+                              vision=dict(image_size=a.image_size, patch_size=4), seed=a.seed, dtype=a.dtype)
     thinker = pipe.stages[0].engine
     # Time every thinker step, in wall time and in this thread's CPU time: on a shared machine the
     # CPU time is what the computation cost (other processes' load does not count in it). Requests

@@ -17,6 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", type=int, default=None, help="thinker layer whose states are passed on (default: middle)")
     p.add_argument("--no-prefix-caching", action="store_true", help="both stages: no prefix (or stage-output) caching")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="both stages (batch-invariant kernels exist for both)")
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--seed", type=int, default=0, help="seed of the talker, connector and vision tower weights")
 
@@ -28,7 +30,8 @@ def run(a: argparse.Namespace) -> None:
     engine = dict(block_size=a.block_size, kv_cache_memory=a.kv_cache_memory)
     pipe = reference_pipeline(a.model, a.talker, enable_prefix_caching=not a.no_prefix_caching,
                               thinker_tokens=a.thinker_tokens, talker_tokens=a.talker_tokens, layer=a.layer,
-                              thinker_engine=engine, talker_engine=engine, vision=bool(a.image), seed=a.seed)
+                              thinker_engine=engine, talker_engine=engine, vision=bool(a.image), seed=a.seed,
+                              dtype=a.dtype)
     thinker = pipe.stages[0].engine
     prompts, images = [], []
     n_img = thinker.mm.encoder.num_tokens if thinker.mm.encoder is not None else 0

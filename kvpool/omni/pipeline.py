@@ -145,13 +145,14 @@ class Pipeline:
 def reference_pipeline(thinker: str | None = None, talker: str | None = None, *, enable_prefix_caching: bool = True,
                        thinker_tokens: int = 32, talker_tokens: int = 32, layer: int | None = None,
                        thinker_engine: dict[str, Any] | None = None, talker_engine: dict[str, Any] | None = None,
-                       vision: bool | dict[str, Any] = False, seed: int = 0) -> Pipeline:
+                       vision: bool | dict[str, Any] = False, seed: int = 0, dtype: str = "bfloat16") -> Pipeline:
     """Thinker (SmolLM2 by default) -> talker (seeded random decoder emitting codes).
 
     The thinker passes its final hidden states and the residual stream after its middle layer
-    (`layer`). Both stages run in fp32 in batch-invariant mode, so the talker receives the same bits,
-    and emits the same codes, with prefix caching on or off. `vision` gives the thinker a seeded
-    random vision tower (`TinyVisionEncoder`, a dict: its keyword arguments) for image inputs.
+    (`layer`). Both stages run in batch-invariant mode (in `dtype`: bfloat16 or float32), so the
+    talker receives the same bits, and emits the same codes, with prefix caching on or off. `vision`
+    gives the thinker a seeded random vision tower (`TinyVisionEncoder`, a dict: its keyword
+    arguments) for image inputs.
     """
     from kvpool.omni.talker import default_talker_dir
     from kvpool.runner.model_files import resolve_model
@@ -159,13 +160,13 @@ def reference_pipeline(thinker: str | None = None, talker: str | None = None, *,
     thinker_dir = resolve_model(thinker)
     cfg = json.loads((thinker_dir / "config.json").read_text())
     layer = cfg["num_hidden_layers"] // 2 if layer is None else layer
-    t_engine = {"dtype": "float32", "batch_invariant": True, **(thinker_engine or {})}
+    t_engine = {"dtype": dtype, "batch_invariant": True, **(thinker_engine or {})}
     if vision:
         from kvpool.runner.vision import TinyVisionEncoder
 
         kw = {"seed": seed, **(vision if isinstance(vision, dict) else {})}
         t_engine["vision_encoder"] = TinyVisionEncoder(out_dim=cfg["hidden_size"], **kw)
-    k_engine = {"dtype": "float32", "batch_invariant": True, "skip_tokenizer_init": True, **(talker_engine or {})}
+    k_engine = {"dtype": dtype, "batch_invariant": True, "skip_tokenizer_init": True, **(talker_engine or {})}
     return Pipeline([
         StageConfig("thinker", str(thinker_dir), enable_prefix_caching, ("hidden_states", f"layer_{layer}"),
                     SamplingParams(temperature=0.0, max_tokens=thinker_tokens), t_engine),

@@ -115,14 +115,14 @@ class ModelRunner:
         self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype)
-        if batch_invariant and self.dtype != torch.float32:
-            raise ValueError(f"batch_invariant: needs dtype float32, got {dtype!r}")
+        if batch_invariant and self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"batch_invariant: needs dtype float32 or bfloat16, got {dtype!r}")
         t0 = time.perf_counter()
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         if batch_invariant:
             if any(w is not None for w in self.model.arch.layer_windows):
                 raise ValueError("batch_invariant: sliding-window models are not supported in this mode")
-            make_batch_invariant(self.model)
+            make_batch_invariant(self.model, self.dtype)
         arch = self.model.arch
         self.arch = arch
         self.block_size = block_size

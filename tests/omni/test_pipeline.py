@@ -29,12 +29,12 @@ def prompts(seed: int = 1) -> list[list[int]]:
 
 
 def run(thinker: Path, talker: Path, caching: bool, on_thinker: Callable[[LLMEngine], None] | None = None,
-        **thinker_engine: object) -> tuple[list[OmniOutput], Pipeline]:
+        dtype: str = "float32", **thinker_engine: object) -> tuple[list[OmniOutput], Pipeline]:
     p = reference_pipeline(str(thinker), str(talker), enable_prefix_caching=caching, thinker_tokens=6,
                            talker_tokens=5, layer=0,
-                           thinker_engine=dict(skip_tokenizer_init=True, block_size=4,
+                           thinker_engine=dict(skip_tokenizer_init=True, block_size=4, dtype=dtype,
                                                **{"num_blocks": 128, **thinker_engine}),
-                           talker_engine=dict(block_size=4, num_blocks=128))
+                           talker_engine=dict(block_size=4, num_blocks=128, dtype=dtype))
     if on_thinker is not None:
         on_thinker(p.stages[0].engine)
     ps = prompts()
@@ -46,9 +46,15 @@ def run(thinker: Path, talker: Path, caching: bool, on_thinker: Callable[[LLMEng
     return outs, p
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request: pytest.FixtureRequest) -> str:
+    """Both stages' dtype: batch-invariant kernels exist for both (see kvpool.runner.invariant)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir: Path, talker_dir: Path) -> list[OmniOutput]:
-    return run(tiny_llama_dir, talker_dir, caching=False)[0]
+def reference(tiny_llama_dir: Path, talker_dir: Path, dtype: str) -> list[OmniOutput]:
+    return run(tiny_llama_dir, talker_dir, caching=False, dtype=dtype)[0]
 
 
 def assert_same(got: list[OmniOutput], ref: list[OmniOutput]) -> None:
@@ -66,8 +72,8 @@ def assert_same(got: list[OmniOutput], ref: list[OmniOutput]) -> None:
 @pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 5}, {"max_num_batched_tokens": 16}],
                          ids=["one-step-prefill", "chunks-of-5", "chunks-of-16"])
 def test_caching_on_equals_off(tiny_llama_dir: Path, talker_dir: Path, reference: list[OmniOutput],
-                               engine: dict) -> None:
-    got, p = run(tiny_llama_dir, talker_dir, caching=True, **engine)
+                               engine: dict, dtype: str) -> None:
+    got, p = run(tiny_llama_dir, talker_dir, caching=True, dtype=dtype, **engine)
     assert_same(got, reference)
     thinker = p.stages[0].engine
     # 6 of the 8 requests hit their group's 36 cached tokens (9 blocks of 4); their rows came from the cache.
@@ -78,11 +84,11 @@ def test_caching_on_equals_off(tiny_llama_dir: Path, talker_dir: Path, reference
 
 @pytest.mark.parametrize("num_blocks", [16, 24])
 def test_eviction_and_preemption(tiny_llama_dir: Path, talker_dir: Path, reference: list[OmniOutput],
-                                 num_blocks: int) -> None:
+                                 num_blocks: int, dtype: str) -> None:
     # 15 (23) usable blocks of 4 for requests of up to 14 blocks: requests evict each other's cached
     # blocks (a reused block gets the rows of its new tokens), and with 23 running ones get preempted.
     evicted: list[int] = []
-    got, p = run(tiny_llama_dir, talker_dir, caching=True, num_blocks=num_blocks,
+    got, p = run(tiny_llama_dir, talker_dir, caching=True, num_blocks=num_blocks, dtype=dtype,
                  on_thinker=lambda eng: eng.kv.block_pool.eviction_listeners.append(
                      lambda blk, h: evicted.append(blk.block_id)))
     assert_same(got, reference)
@@ -95,8 +101,8 @@ def test_eviction_and_preemption(tiny_llama_dir: Path, talker_dir: Path, referen
         assert eng.scheduler.stats.num_preemptions > 0 and rows == 6 * 36
 
 
-def test_host_tier(tiny_llama_dir: Path, talker_dir: Path, reference: list[OmniOutput]) -> None:
-    got, p = run(tiny_llama_dir, talker_dir, caching=True, num_blocks=16, num_host_blocks=64)
+def test_host_tier(tiny_llama_dir: Path, talker_dir: Path, reference: list[OmniOutput], dtype: str) -> None:
+    got, p = run(tiny_llama_dir, talker_dir, caching=True, num_blocks=16, num_host_blocks=64, dtype=dtype)
     assert_same(got, reference)
     eng = p.stages[0].engine
     # Unrelated requests push the first group out of the device pool, into the host tier ...
@@ -122,9 +128,9 @@ def test_stage_config_is_checked(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"stage_output_layers: layer 5 is not in \[0, 2\)"):
         Pipeline([StageConfig("a", str(tiny_llama_dir), outputs=("layer_5",),
                               engine=dict(skip_tokenizer_init=True, num_blocks=16))])
-    with pytest.raises(ValueError, match="batch_invariant: needs dtype float32, got 'bfloat16'"):
+    with pytest.raises(ValueError, match="batch_invariant: needs dtype float32 or bfloat16, got 'float16'"):
         Pipeline([StageConfig("a", str(tiny_llama_dir), engine=dict(skip_tokenizer_init=True, num_blocks=16,
-                                                                     batch_invariant=True))])
+                                                                     dtype="float16", batch_invariant=True))])
 
 
 def test_batch_invariance_is_what_makes_it_exact(tiny_llama_dir: Path, talker_dir: Path) -> None:
