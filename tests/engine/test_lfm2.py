@@ -91,6 +91,8 @@ def test_one_pool_of_two_page_sizes(lfm2_dir: Path) -> None:
     assert eng.runner.page_sizes == [1024, 2048, 1024]
     pool = eng.kv.block_pool
     assert isinstance(pool, TwoLevelBlockPool) and pool.large_page_size == 2048
+    # A request alone must fit: 2 pages in each Mamba group (2 large pages), the rest attention blocks.
+    assert eng.max_model_len == (50 - 1 - 2) * BS
     paged = eng.runner.paged
     assert paged is not None and len(paged.buffers) == 2  # one byte buffer per layer slot, for every type
     assert [b.numel() * 4 for b in paged.buffers] == [50 * 1024] * 2
@@ -210,9 +212,9 @@ def test_ff_width_and_bad_configs(lfm2_dir: Path) -> None:
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2)
     with pytest.raises(ValueError, match=r"config.layer_types: unknown layer types \['mamba'\]"):
         Lfm2Arch.from_hf_config({**base, "layer_types": ["conv", "mamba"]})
-    with pytest.raises(ValueError, match="config.layer_types: 1 entries for 2 layers"):
+    with pytest.raises(ValueError, match=r"config\.layer_types: 1 entries for 2 layers"):
         Lfm2Arch.from_hf_config({**base, "layer_types": ["conv"]})
-    with pytest.raises(ValueError, match="config.conv_L_cache: must be an int >= 2"):
+    with pytest.raises(ValueError, match=r"config\.conv_L_cache: must be an int >= 2"):
         Lfm2Arch.from_hf_config({**base, "layer_types": ["conv", "full_attention"], "conv_L_cache": 1})
     arch = Lfm2Arch.from_hf_config({**base, "full_attn_idxs": [1]})
     assert arch.layer_types == ("conv", "full_attention")
