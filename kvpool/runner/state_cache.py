@@ -14,8 +14,9 @@ blocks 0..j. A step reads the state from the page of the block holding its last 
 when nothing is computed) and writes the state after its last token into the page of the block holding
 that token. A request admitted in a step may start from a state another request of the same step
 writes (a page cached at allocation time): the writer is always scheduled first, so states are
-computed in batch order: the single-token (decode) rows first, all at once (a decode never reads a
-state written in its step: its input page is its own), then each multi-token chunk in order.
+computed in batch order: the single-token (decode) rows first, all at once (a decode's input page is
+its own, written in an earlier step), then each multi-token chunk in order, and with them a single
+token whose input page an earlier sequence of the step writes (a one-token prompt suffix after a hit).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def plan_state(spans: Sequence[tuple[int, int, int]], tables: Sequence[Sequence[
     in this group."""
     meta = StateMetadata()
     rows, src, dst = [], [], []
+    written: set[int] = set()  # pages written by the sequences before this one
     for (q, start, n), table in zip(spans, tables, strict=True):
         end = start + n
         out = table[(end - 1) // block_size]
@@ -55,12 +57,15 @@ def plan_state(spans: Sequence[tuple[int, int, int]], tables: Sequence[Sequence[
         if out == 0 or inp == 0:
             raise ValueError(f"state page missing: positions {start}..{end} read page {inp}, write page {out} "
                              f"(the null block)")
-        if n == 1 and inp >= 0:
+        # A single token continuing a state written earlier in this step (a prefix hit on a page cached at
+        # allocation) is no decode: it must wait for its writer, so it runs with the chunks, in order.
+        if n == 1 and inp >= 0 and inp not in written:
             rows.append(q)
             src.append(inp)
             dst.append(out)
         else:
             meta.chunks.append((q, q + n, inp, out))
+        written.add(out)
     if rows:
         meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
         meta.decode_src = torch.tensor(src, dtype=torch.long, device=device)

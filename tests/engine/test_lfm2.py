@@ -46,7 +46,7 @@ SETTINGS = {
     "chunked 5": dict(num_blocks=200, max_num_batched_tokens=5),
     "chunked 8": dict(num_blocks=200, max_num_batched_tokens=8),
     "chunked 16": dict(num_blocks=200, max_num_batched_tokens=16),
-    "chunked, no caching": dict(num_blocks=200, max_num_batched_tokens=8, enable_prefix_caching=False),
+    "chunked 7, no caching": dict(num_blocks=200, max_num_batched_tokens=7, enable_prefix_caching=False),
     # Large pages of 2048 bytes: one attention block (2 layers) or two Mamba pages. The longest request
     # (85 tokens) needs 22 attention blocks and 2 pages in each Mamba group: 22 + 2 of the 25 usable.
     "small pool": dict(num_blocks=26, max_num_batched_tokens=32),
@@ -182,22 +182,24 @@ def test_without_aligned_chunks_no_state_is_cached(lfm2_dir: Path) -> None:
 
 
 def test_hit_on_a_state_computed_in_the_same_step(lfm2_dir: Path) -> None:
-    """B is admitted in the step that computes A's state after 28 tokens (cached at allocation): B
-    starts from it, so the forward must write A's state before B reads it."""
+    """B and C are admitted in the step that computes A's state after 28 tokens (cached at allocation):
+    they start from it, so the forward must write A's state before they read it; C has a single token
+    to compute, like a decode, but its input state is not its own."""
     a = PREFIX[:30]
     b = PREFIX[:28] + [99] * 12
+    c = [*PREFIX[:28], 98]
     llm = make_llm(lfm2_dir, num_blocks=100)
     eng = llm.engine
-    eng.add_request(a, SamplingParams.greedy(6), request_id="a")
-    eng.add_request(b, SamplingParams.greedy(6), request_id="b")
+    for rid, p in (("a", a), ("b", b), ("c", c)):
+        eng.add_request(p, SamplingParams.greedy(6), request_id=rid)
     eng.step()
-    assert eng.scheduler.requests["b"].metrics.num_cached_tokens == 28
+    assert [eng.scheduler.requests[r].metrics.num_cached_tokens for r in "abc"] == [0, 28, 28]
     outs = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
-    assert [outs["a"], outs["b"]] == hf_greedy(lfm2_dir, [a, b], 6)
+    assert [outs["a"], outs["b"], outs["c"]] == hf_greedy(lfm2_dir, [a, b, c], 6)
 
 
 def test_ff_width_and_bad_configs(lfm2_dir: Path) -> None:
