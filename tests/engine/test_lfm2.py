@@ -9,6 +9,7 @@ boundary whose state is cached, and chunks are aligned on boundaries so that the
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,22 @@ def test_bf16_packed_runs(lfm2_dir: Path) -> None:
         assert isinstance(model.layers[2].feed_forward.w2, PackedLinear)
     outs = llm.generate(PROMPTS[:2], SamplingParams.greedy(4), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [4, 4]
+
+
+def test_random_shared_prefixes_small_pool(lfm2_dir: Path) -> None:
+    """Prompts cut from three shared prefixes at random points, all at once, in both orders, through a
+    pool that preempts: hits on states of every age (earlier steps, the same step, other requests')."""
+    rng = random.Random(3)
+    systems = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(20, 50))] for _ in range(3)]
+    prompts = [systems[i % 3][:rng.randint(1, len(systems[i % 3]))] + [rng.randrange(TINY_VOCAB)
+                                                                      for _ in range(rng.randint(0, 12))]
+               for i in range(12)]
+    ref = hf_greedy(lfm2_dir, prompts, 8)
+    llm = make_llm(lfm2_dir, num_blocks=25, max_num_batched_tokens=8)
+    outs = llm.generate(prompts, SamplingParams.greedy(8), use_tqdm=False)
+    again = llm.generate(prompts[::-1], SamplingParams.greedy(8), use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert [o.token_ids for o in again] == ref[::-1]
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert sum(o.num_cached_tokens for o in again) > 0
+    llm.engine.kv.check_integrity()
