@@ -113,6 +113,10 @@ class MambaSpec(KVCacheSpec):
             if not isinstance(b, int) or b < 1:
                 raise ValueError(f"state_dtype_bytes: must be ints >= 1, got {b!r}")
 
+    def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
+        # The input and the output state of the running step (see MambaManager).
+        return min(-(-num_tokens // self.block_size), 2)
+
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one layer's whole state."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -75,7 +76,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, bs, specs=self.runner.kv_cache_specs,
                                  enable_caching=config.enable_prefix_caching,
                                  enable_kv_events=config.enable_kv_events, num_host_blocks=num_host,
-                                 host_eviction=config.host_eviction, write_through=config.write_through)
+                                 host_eviction=config.host_eviction, write_through=config.write_through,
+                                 page_sizes=self.runner.page_sizes)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
                        if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -97,8 +99,18 @@ class LLMEngine:
         chunk = self.config.max_num_batched_tokens
         specs = self.runner.kv_cache_specs
 
+        page_sizes = self.runner.page_sizes
+
         def fits(n: int) -> bool:
-            return sum(s.max_blocks_held(n, chunk) for s in specs) <= usable
+            held = [s.max_blocks_held(n, chunk) for s in specs]
+            if page_sizes is None:
+                return sum(held) <= usable
+            # Two-level pool: the blocks are large pages; each page size packs lcm / size pages in one.
+            large = math.lcm(*page_sizes)
+            by_size: dict[int, int] = {}
+            for p, h in zip(page_sizes, held, strict=True):
+                by_size[p] = by_size.get(p, 0) + h
+            return sum(-(-h * p // large) for p, h in by_size.items()) <= usable
 
         lo, hi = 0, limit
         while lo < hi:  # the largest n <= limit that fits

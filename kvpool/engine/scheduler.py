@@ -5,6 +5,12 @@ then admits waiting requests while the budget and the KV cache allow. Admission 
 the longest cached prefix and computes only the rest. When a running request cannot get a block, the
 most recently admitted running request is preempted: its blocks are freed (they stay cached, so it
 usually re-hits them) and it goes back to the front of the waiting queue.
+
+Models with state layers (a Mamba group) cache a state only where a step ends on a block boundary, so
+with prefix caching on, prefill chunks are aligned (vLLM's "align" mode): a chunk cut by the budget
+ends on the last boundary it reaches, and the chunk reaching the end of the known tokens first stops
+at their last boundary (one extra step, so that a later request sharing them, such as the next turn of
+a conversation, resumes from that state instead of recomputing everything).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpool.core.kv_cache_manager import KVCacheManager
+from kvpool.core.kv_cache_spec import MambaSpec
 from kvpool.core.swap import SwapPlan
 from kvpool.engine.request import Request, RequestStatus
 
@@ -55,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.align_chunks = kv.enable_caching and any(isinstance(sp, MambaSpec) for sp in kv.specs)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -64,6 +72,20 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _aligned(self, req: Request, num_computed: int, num_new: int) -> int:
+        """`num_new` cut so that a prefill chunk ends on a block boundary where one is in reach (see the
+        module doc); decodes and chunks that reach no boundary are left as they are."""
+        if not self.align_chunks or num_computed >= req.num_tokens - 1:
+            return num_new
+        bs = self.kv.block_size
+        end = num_computed + num_new
+        last = req.num_tokens - req.num_tokens % bs  # the last boundary of the known tokens
+        if end < last:
+            end = end - end % bs
+        elif num_computed < last < end:
+            end = last
+        return end - num_computed if end > num_computed else num_new
 
     def _preempt(self, victim: Request) -> None:
         self.kv.free(victim)
@@ -82,7 +104,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._aligned(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0:
                 i += 1
                 continue
@@ -109,6 +131,7 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
+            num_new = self._aligned(req, n_hit, num_new)
             if self.kv.allocate_slots(req, num_new, n_hit, hit) is None:
                 break
             self.waiting.popleft()

@@ -169,6 +169,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Store the step's K/V (T, kv_heads, head_dim) at their slots."""
     h, nb, bs, d = k_cache.shape
+    if not k_cache.is_contiguous():
+        # Block-major pages (a pool shared with state layers, see kvpool.runner.state_cache).
+        blk, off = slot_mapping // bs, slot_mapping % bs
+        k_cache.transpose(0, 1)[blk, :, off] = k
+        v_cache.transpose(0, 1)[blk, :, off] = v
+        return
     k_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 

@@ -32,6 +32,11 @@ class LayerLayout:
                       dtype_bytes=dtype_bytes)
         layer_specs = [FullAttentionSpec(**common) if w is None or not hybrid
                        else SlidingWindowSpec(**common, sliding_window=w) for w in layer_windows]
+        return cls.from_specs(layer_specs, layer_windows)
+
+    @classmethod
+    def from_specs(cls, layer_specs: list[KVCacheSpec], layer_windows: list[int | None]) -> LayerLayout:
+        """Any per-layer specs (models with state layers: `MambaSpec` among them)."""
         groups = group_layers(layer_specs)
         group_of = [0] * len(layer_specs)
         tensor_of = [0] * len(layer_specs)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 from kvpool.core.swap import SwapPlan
 from kvpool.runner.attention import (
     AttentionMetadata,
@@ -30,9 +30,11 @@ from kvpool.runner.attention import (
 from kvpool.runner.gemma3 import Gemma3Arch, Gemma3ForCausalLM
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
+from kvpool.runner.lfm2 import Lfm2Arch, Lfm2ForCausalLM
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.sampler import SamplingLike, sample
 from kvpool.runner.stage_output_cache import StageOutputCache
+from kvpool.runner.state_cache import PagedBuffers, large_page_bytes, layer_specs, plan_state
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
 GEMMA3_ARCHS = {"gemma3_text"}
+LFM2_ARCHS = {"lfm2"}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -78,8 +81,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
         cls: type[LlamaForCausalLM] = LlamaForCausalLM
     elif mtype in GEMMA3_ARCHS:
         arch, cls = Gemma3Arch.from_hf_config(cfg), Gemma3ForCausalLM
+    elif mtype in LFM2_ARCHS:
+        arch, cls = Lfm2Arch.from_hf_config(cfg), Lfm2ForCausalLM
     else:
-        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS)
+        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS | LFM2_ARCHS)
         raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {supported})")
     with torch.device("meta"):
         model = cls(arch)  # type: ignore[arg-type]
@@ -122,19 +127,32 @@ class ModelRunner:
         if batch_invariant:
             if any(w is not None for w in self.model.arch.layer_windows):
                 raise ValueError("batch_invariant: sliding-window models are not supported in this mode")
+            if getattr(self.model.arch, "layer_state_shapes", None) is not None:
+                raise ValueError("batch_invariant: models with state layers are not supported in this mode")
             make_batch_invariant(self.model, self.dtype)
         arch = self.model.arch
         self.arch = arch
         self.block_size = block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim, elem,
-                                               hybrid=hybrid)
+        state_shapes = getattr(arch, "layer_state_shapes", None)  # models with recurrent-state layers
+        if state_shapes is None:
+            self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim,
+                                                   elem, hybrid=hybrid)
+        else:
+            if not hybrid:
+                raise ValueError("hybrid_allocator: a model with state layers needs the hybrid allocator")
+            self.layout = LayerLayout.from_specs(
+                layer_specs(state_shapes, block_size, arch.num_kv_heads, arch.head_dim, elem), arch.layer_windows)
+        self._state_groups = {g for g, s in enumerate(self.layout.specs) if isinstance(s, MambaSpec)}
         self._views, self._view_of_layer = self.layout.attention_views()
         groups = [g for g, _ in self._views]
         self._shared_groups = {g for g in groups if groups.count(g) > 1}  # groups seen through several windows
         # A block id is one page in each of the layers_per_group shared tensors (see LayerLayout).
         self.bytes_per_block = (2 * block_size * arch.num_kv_heads * arch.head_dim * elem
                                 * self.layout.layers_per_group)
+        if state_shapes is not None:
+            # One pool for pages of several sizes: a "block" of the manager is a large page.
+            self.bytes_per_block = large_page_bytes(self.layout.specs, self.layout.layers_per_group)
         if num_blocks is None:
             num_blocks = kv_cache_memory // self.bytes_per_block
         if num_blocks < 2:
@@ -143,10 +161,17 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # (kv_heads, blocks, block_size, head_dim): one head's keys of a block table gather contiguously.
         shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
-        self.kv_tensors = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                            torch.zeros(shape, dtype=self.dtype, device=self.device))
-                           for _ in range(self.layout.layers_per_group)]
-        self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
+        self.paged: PagedBuffers | None = None
+        if state_shapes is not None:
+            self.paged = PagedBuffers(self.layout.specs, self.layout.group_of_layer, self.layout.tensor_of_layer,
+                                      num_blocks, self.dtype, self.device)
+            self.kv_tensors = []
+            self.kv_caches = self.paged.caches  # type: ignore[assignment]
+        else:
+            self.kv_tensors = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                torch.zeros(shape, dtype=self.dtype, device=self.device))
+                               for _ in range(self.layout.layers_per_group)]
+            self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
         self.num_tokens_computed = 0
         self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -175,6 +200,11 @@ class ModelRunner:
         return self.arch.max_position
 
     @property
+    def page_sizes(self) -> list[int] | None:
+        """Per KV cache group, the bytes of one page when they differ (the manager's two-level pool)."""
+        return self.paged.page_sizes if self.paged is not None else None
+
+    @property
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """One spec per KV cache group, for the manager (group i of the manager is group i here)."""
         return list(self.layout.specs)
@@ -188,6 +218,8 @@ class ModelRunner:
         n_groups = self.layout.num_groups
         slot_chunks: list[list[torch.Tensor]] = [[] for _ in range(n_groups)]
         seqs: list[list[SeqAttn]] = [[] for _ in range(n_groups)]
+        spans: list[tuple[int, int, int]] = []  # per sequence: first row, first position, tokens
+        state_tables: list[list[list[int]]] = [[] for _ in range(n_groups)]
         t = 0
         for s in steps:
             n = len(s.token_ids)
@@ -199,18 +231,25 @@ class ModelRunner:
             tables = s.group_block_ids if s.group_block_ids is not None else (s.block_ids,)
             if len(tables) != n_groups:
                 raise ValueError(f"{s.req_id}: {len(tables)} block tables for {n_groups} KV cache groups")
+            spans.append((t, s.start_pos, n))
             for g, block_ids in enumerate(tables):
                 if n_blocks > len(block_ids):
                     raise ValueError(f"{s.req_id}: block table too short for {end} tokens")
+                if g in self._state_groups:
+                    state_tables[g].append(block_ids)
+                    continue
                 table = torch.tensor(block_ids[:n_blocks], dtype=torch.long)
                 slot_chunks[g].append(table[pos // bs] * bs + pos % bs)
                 seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
-        metas = []
-        slots = [torch.cat(c).to(dev) for c in slot_chunks]
+        metas: list = []
+        slots = [torch.cat(c).to(dev) if c else None for c in slot_chunks]
         # Masks depend on positions and the window, not on block ids: groups of one window share them.
         masks_by_window: dict[int, AttentionMetadata] = {}
         for g, window in self._views:
+            if g in self._state_groups:
+                metas.append(plan_state(spans, state_tables[g], bs, dev))
+                continue
             # Planning annotates the sequences, so each view of a group gets its own copies.
             group_seqs = [replace(x) for x in seqs[g]] if g in self._shared_groups else seqs[g]
             meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window)
@@ -239,6 +278,8 @@ class ModelRunner:
         if n < 1:
             self.host_kv_caches = []
             return 0
+        if self.paged is not None:
+            raise ValueError("swap_space: the host tier does not support models with state layers yet")
         pin = self.device.type == "cuda"
         shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
         self.host_kv_caches = [(torch.zeros(shape, dtype=self.dtype, pin_memory=pin),
@@ -328,7 +369,8 @@ class ModelRunner:
         if not self.stage_outputs and all(s.embeds is None for s in steps):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         else:
-            hidden = self._forward_with_outputs(steps, input_ids, positions, meta, metas[0].slot_mapping)
+            hidden = self._forward_with_outputs(steps, input_ids, positions, meta,
+                                                getattr(metas[0], "slot_mapping", None))
         self.num_tokens_computed += int(input_ids.shape[0])
         rows, want = [], []
         t = 0

@@ -6,6 +6,7 @@ import pytest
 
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
+from kvpool.core.kv_cache_spec import FullAttentionSpec, MambaSpec
 from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler
@@ -103,3 +104,32 @@ def test_duplicate_request_id_rejected() -> None:
     s.add_request(req("a", 3))
     with pytest.raises(ValueError, match="request_id"):
         s.add_request(req("a", 3))
+
+
+def state_manager(num_blocks: int = 64, caching: bool = True) -> KVCacheManager:
+    specs = [FullAttentionSpec(BS), MambaSpec(BS, state_shapes=((8, 2),), state_dtype_bytes=(2,))]
+    return KVCacheManager(num_blocks, BS, specs=specs, enable_caching=caching)
+
+
+def test_state_models_align_prefill_chunks_on_block_boundaries() -> None:
+    s = Scheduler(state_manager(), max_num_batched_tokens=10)
+    assert s.align_chunks
+    s.add_request(req("a", 6))
+    # 6 tokens: the chunk stops at 4 (the prompt's last boundary), then the rest, which samples.
+    assert fake_step(s) == ([("a", 4)], [])
+    assert fake_step(s) == ([("a", 2)], [])
+    s.add_request(req("b", 25, start=100))
+    # a decodes (1 token, never cut); b's budget-cut chunks end on multiples of 4: 8, then 16, then 24.
+    assert fake_step(s) == ([("a", 1), ("b", 8)], [])
+    assert fake_step(s) == ([("a", 1), ("b", 8)], [])
+    assert fake_step(s) == ([("a", 1), ("b", 8)], [])
+    assert fake_step(s) == ([("a", 1), ("b", 1)], [])
+    assert s.requests["b"].num_output_tokens == 1
+    # A budget too small to reach a boundary is used as it is; the next chunk aligns again.
+    s = Scheduler(state_manager(), max_num_batched_tokens=3)
+    s.add_request(req("c", 13))
+    # 0..3, 3..4, 4..7, 7..8, 8..11, then 11..12 (the last boundary), 12..13.
+    assert [fake_step(s)[0][0][1] for _ in range(7)] == [3, 1, 3, 1, 3, 1, 1]
+    # No alignment without prefix caching (nothing to cache) or without a state group.
+    assert not Scheduler(state_manager(caching=False)).align_chunks
+    assert not Scheduler(KVCacheManager(64, BS)).align_chunks
