@@ -31,6 +31,13 @@ from kvpool.runner.gemma3 import Gemma3Arch, Gemma3ForCausalLM
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
+from kvpool.runner.mllama import (
+    CrossAttentionMetadata,
+    CrossStep,
+    MllamaArch,
+    MllamaForConditionalGeneration,
+    plan_cross_attention,
+)
 from kvpool.runner.sampler import SamplingLike, sample
 from kvpool.runner.stage_output_cache import StageOutputCache
 
@@ -40,6 +47,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
 GEMMA3_ARCHS = {"gemma3_text"}
+MLLAMA_ARCHS = {"mllama"}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -65,6 +73,8 @@ class SeqStep:
     group_block_ids: tuple[list[int], ...] | None = None
     # (rows within token_ids, embeddings): inputs replacing those tokens' embeddings (images, stage inputs)
     embeds: tuple[list[int], torch.Tensor] | None = None
+    # Cross-attention models: the request's image (its encoder states the first time), see kvpool.runner.mllama
+    cross: CrossStep | None = None
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
@@ -78,8 +88,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
         cls: type[LlamaForCausalLM] = LlamaForCausalLM
     elif mtype in GEMMA3_ARCHS:
         arch, cls = Gemma3Arch.from_hf_config(cfg), Gemma3ForCausalLM
+    elif mtype in MLLAMA_ARCHS:
+        arch, cls = MllamaArch.from_hf_config(cfg), MllamaForConditionalGeneration
     else:
-        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS)
+        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS | MLLAMA_ARCHS)
         raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {supported})")
     with torch.device("meta"):
         model = cls(arch)  # type: ignore[arg-type]
@@ -119,7 +131,10 @@ class ModelRunner:
             raise ValueError(f"batch_invariant: needs dtype float32, got {dtype!r}")
         t0 = time.perf_counter()
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        cross_layers = getattr(self.model.arch, "cross_attention_layers", ())
         if batch_invariant:
+            if cross_layers:
+                raise ValueError("batch_invariant: cross-attention models are not supported in this mode")
             if any(w is not None for w in self.model.arch.layer_windows):
                 raise ValueError("batch_invariant: sliding-window models are not supported in this mode")
             make_batch_invariant(self.model)
@@ -128,7 +143,9 @@ class ModelRunner:
         self.block_size = block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim, elem,
-                                               hybrid=hybrid)
+                                               hybrid=hybrid, cross_layers=cross_layers,
+                                               max_encoder_tokens=getattr(arch, "num_encoder_tokens", 0))
+        self._cross_groups = self.layout.cross_groups  # planned by plan_cross_attention, not by position
         self._views, self._view_of_layer = self.layout.attention_views()
         groups = [g for g, _ in self._views]
         self._shared_groups = {g for g in groups if groups.count(g) > 1}  # groups seen through several windows
@@ -179,7 +196,8 @@ class ModelRunner:
         """One spec per KV cache group, for the manager (group i of the manager is group i here)."""
         return list(self.layout.specs)
 
-    def _metadata(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+    def _metadata(self, steps: list[SeqStep]
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata | CrossAttentionMetadata]]:
         """Token ids, positions, and the attention metadata of each KV cache group for a step."""
         bs = self.block_size
         dev = self.device
@@ -200,17 +218,22 @@ class ModelRunner:
             if len(tables) != n_groups:
                 raise ValueError(f"{s.req_id}: {len(tables)} block tables for {n_groups} KV cache groups")
             for g, block_ids in enumerate(tables):
+                if g in self._cross_groups:
+                    continue
                 if n_blocks > len(block_ids):
                     raise ValueError(f"{s.req_id}: block table too short for {end} tokens")
                 table = torch.tensor(block_ids[:n_blocks], dtype=torch.long)
                 slot_chunks[g].append(table[pos // bs] * bs + pos % bs)
                 seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
-        metas = []
-        slots = [torch.cat(c).to(dev) for c in slot_chunks]
+        metas: list[AttentionMetadata | CrossAttentionMetadata] = []
+        slots = [torch.cat(c).to(dev) if c else torch.empty(0, dtype=torch.long, device=dev) for c in slot_chunks]
         # Masks depend on positions and the window, not on block ids: groups of one window share them.
         masks_by_window: dict[int, AttentionMetadata] = {}
         for g, window in self._views:
+            if g in self._cross_groups:
+                metas.append(plan_cross_attention(steps, g, bs, self.dtype, dev))
+                continue
             # Planning annotates the sequences, so each view of a group gets its own copies.
             group_seqs = [replace(x) for x in seqs[g]] if g in self._shared_groups else seqs[g]
             meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window)
