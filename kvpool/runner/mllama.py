@@ -107,6 +107,12 @@ class CrossAttentionMetadata:
     row_mask: torch.Tensor | None = None  # (len(rows), 1): 0 for rows seeing no tile (their MLP output is zeroed)
     write_states: torch.Tensor | None = None  # encoder states written this step, and their slots
     write_slots: torch.Tensor | None = None
+    # Single-row sequences (decodes), attended in one batched call: their indices into `seqs`, their rows
+    # (among `rows`), stacked block tables and biases (None: every row sees every encoder token).
+    decode_seqs: frozenset[int] = frozenset()
+    decode_rows: torch.Tensor | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_bias: torch.Tensor | None = None
 
 
 def plan_cross_attention(steps: Sequence[Any], group: int, block_size: int, dtype: torch.dtype,
@@ -152,6 +158,16 @@ def plan_cross_attention(steps: Sequence[Any], group: int, block_size: int, dtyp
     if states:
         meta.write_states = torch.cat(states).to(device)
         meta.write_slots = torch.cat(slots).to(device)
+    decodes = [i for i, x in enumerate(meta.seqs) if x.hi - x.lo == 1]
+    # One image size per model, so decodes' tables have one length; batching pays from two sequences on.
+    if len(decodes) >= 2 and len({meta.seqs[i].num_tokens for i in decodes}) == 1:
+        ds = [meta.seqs[i] for i in decodes]
+        meta.decode_seqs = frozenset(decodes)
+        meta.decode_rows = torch.tensor([x.lo for x in ds], dtype=torch.long, device=device)
+        meta.decode_tables = torch.stack([x.block_ids for x in ds])
+        if any(x.bias is not None for x in ds):
+            zero = torch.zeros((1, ds[0].num_tokens), dtype=dtype, device=device)
+            meta.decode_bias = torch.cat([zero if x.bias is None else x.bias for x in ds])
     return meta
 
 
@@ -189,7 +205,20 @@ class MllamaCrossLayer(nn.Module):
         n = xs.shape[0]
         q = self.q_norm(self.q_proj(self.input_layernorm(xs)).view(n, a.num_heads, a.head_dim))
         o = torch.empty_like(q)
-        for s in meta.seqs:
+        if meta.decode_rows is not None:
+            tables = meta.decode_tables
+            assert tables is not None
+            b, n_enc = tables.shape[0], meta.seqs[next(iter(meta.decode_seqs))].num_tokens
+            # (kv_heads, b * L, d) -> (b, kv_heads, n_enc, d): each decode's own encoder tokens.
+            kk = gather_blocks(kv[0], tables).view(a.num_kv_heads, b, -1, a.head_dim)[:, :, :n_enc].transpose(0, 1)
+            vv = gather_blocks(kv[1], tables).view(a.num_kv_heads, b, -1, a.head_dim)[:, :, :n_enc].transpose(0, 1)
+            bias = meta.decode_bias[:, None, None, :] if meta.decode_bias is not None else None
+            out = F.scaled_dot_product_attention(q[meta.decode_rows][:, :, None], kk, vv, attn_mask=bias,
+                                                 scale=self.scale, enable_gqa=True)
+            o[meta.decode_rows] = out[:, :, 0]
+        for i, s in enumerate(meta.seqs):
+            if i in meta.decode_seqs:
+                continue
             kk = gather_blocks(kv[0], s.block_ids)[:, :s.num_tokens]
             vv = gather_blocks(kv[1], s.block_ids)[:, :s.num_tokens]
             out = F.scaled_dot_product_attention(q[s.lo:s.hi].transpose(0, 1)[None], kk[None], vv[None],

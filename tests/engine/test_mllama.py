@@ -7,6 +7,7 @@ with the request), the encoder cache, and the image's content hash in the block 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch
 from kvpool.core.request import MultiModalItem
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner import model_runner
+from kvpool.runner.mllama import CrossAttentionMetadata, plan_cross_attention
 from kvpool.runner.multimodal import ImageInput, TiledImageInput
 
 VOCAB = 256
@@ -139,7 +142,16 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_greedy_tokens_equal_transformers(mllama_dir: Path, setting: str, reference: list[list[int]]) -> None:
+def test_greedy_tokens_equal_transformers(mllama_dir: Path, setting: str, reference: list[list[int]],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    batched: list[int] = []  # decodes attending to their images in one call, per planned step
+
+    def plan(*args: Any) -> CrossAttentionMetadata:
+        meta = plan_cross_attention(*args)
+        batched.append(len(meta.decode_seqs))
+        return meta
+
+    monkeypatch.setattr(model_runner, "plan_cross_attention", plan)
     llm = LLM(str(mllama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, **SETTINGS[setting])
     eng = llm.engine
     # Five layers, cross-attention at 1 and 3: five groups of one layer (gcd of 3 and 2), in layer order.
@@ -154,6 +166,7 @@ def test_greedy_tokens_equal_transformers(mllama_dir: Path, setting: str, refere
     assert eng.kv.get_num_free_blocks() == eng.kv.block_pool.num_usable_blocks  # everything released
     # Three distinct images, each through the vision tower once: later uses hit the encoder cache.
     assert eng.cross is not None and eng.cross.encoder_runs == 3
+    assert max(batched) >= 2  # the batched decode path was taken (and gave transformers' tokens)
     if setting == "small pool":
         assert eng.scheduler.stats.num_preemptions > 0
     if setting in ("caching", "chunked 16", "chunked 5"):
