@@ -166,7 +166,8 @@ def test_greedy_tokens_equal_transformers(mllama_dir: Path, setting: str, refere
     assert eng.kv.get_num_free_blocks() == eng.kv.block_pool.num_usable_blocks  # everything released
     # Three distinct images, each through the vision tower once: later uses hit the encoder cache.
     assert eng.cross is not None and eng.cross.encoder_runs == 3
-    assert max(batched) >= 2  # the batched decode path was taken (and gave transformers' tokens)
+    if setting != "small pool":  # (there, image requests rarely run side by side)
+        assert max(batched) >= 2  # the batched decode path was taken (and gave transformers' tokens)
     if setting == "small pool":
         assert eng.scheduler.stats.num_preemptions > 0
     if setting in ("caching", "chunked 16", "chunked 5"):
