@@ -79,16 +79,17 @@ PROMPTS = [c[1] for c in CASES]
 IMAGES = [[c[2]] if c[2] is not None else [] for c in CASES]
 
 
-def hf_reference(model_dir: Path) -> list[list[int]]:
+def hf_reference(model_dir: Path, prompts: list[list[int]], images: list[list[TiledImageInput]],
+                 n_out: int = N_OUT) -> list[list[int]]:
     """transformers' greedy generate, fp32, one prompt at a time, with the processor's cross-attention mask."""
     from transformers import MllamaForConditionalGeneration
 
     ref = MllamaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     out = []
     with torch.inference_mode():
-        for prompt, img in zip(PROMPTS, IMAGES, strict=True):
+        for prompt, img in zip(prompts, images, strict=True):
             kw = hf_inputs(prompt, img[0]) if img else {}
-            ids = ref.generate(torch.tensor([prompt]), max_new_tokens=N_OUT, min_new_tokens=N_OUT, do_sample=False,
+            ids = ref.generate(torch.tensor([prompt]), max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
                                **kw)
             out.append(ids[0][len(prompt):].tolist())
     return out
@@ -96,7 +97,7 @@ def hf_reference(model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(mllama_dir: Path) -> list[list[int]]:
-    return hf_reference(mllama_dir)
+    return hf_reference(mllama_dir, PROMPTS, IMAGES)
 
 
 def hf_inputs(prompt: list[int], x: TiledImageInput) -> dict[str, torch.Tensor]:
@@ -275,3 +276,16 @@ def test_bfloat16_packed_runs(mllama_dir: Path, reference: list[list[int]]) -> N
     outs = llm.generate([A, A], SamplingParams.greedy(N_OUT), use_tqdm=False, mm_inputs=[[IMG1], []])
     assert [len(o.outputs[0].token_ids) for o in outs] == [N_OUT, N_OUT]
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_long_shared_prefix_with_an_image_cascades(mllama_dir: Path) -> None:
+    # Requests sharing 80 tokens and their image decode together through cascade attention over the shared
+    # self-attention blocks, each still reading its own cross-attention blocks.
+    long = [IMAGE, *((7 * i + 3) % 250 + 2 for i in range(80))]
+    prompts, images = [[*long, 30, 31], [*long, 40, 41, 42]], [[IMG2], [IMG2]]
+    llm = LLM(str(mllama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=300)
+    llm.generate(prompts[:1], SamplingParams.greedy(1), use_tqdm=False, mm_inputs=images[:1])
+    outs = llm.generate(prompts, SamplingParams.greedy(6), use_tqdm=False, mm_inputs=images)
+    assert [o.num_cached_tokens for o in outs] == [80, 80]
+    assert llm.engine.runner.num_cascade_steps > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference(mllama_dir, prompts, images, 6)
