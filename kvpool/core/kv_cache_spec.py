@@ -83,7 +83,20 @@ class CrossAttentionSpec(KVCacheSpec):
     The KV is sized by the request's encoder tokens, not its text: blocks are allocated for
     `CacheRequest.num_encoder_tokens` at the first allocation and kept until the request ends.
     The head config may differ from the self-attention layers'; the page formula is the same.
+    `max_encoder_tokens` is the most a request can have (e.g. every tile of one image): what admission
+    control counts for this group, whatever the text's length.
     """
+
+    max_encoder_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.max_encoder_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"max_encoder_tokens: must be an int >= 0, got {v!r}")
+
+    def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
+        return -(-self.max_encoder_tokens // self.block_size)
 
 
 @dataclass(frozen=True)

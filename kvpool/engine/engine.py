@@ -27,6 +27,7 @@ from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
+from kvpool.runner.mllama import MllamaForConditionalGeneration, MllamaInputs
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
 from kvpool.runner.multimodal import MMInput, MultiModalProcessor, PlacedInput
@@ -89,6 +90,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.mm = MultiModalProcessor(self.runner.arch.hidden_size, config.vision_encoder,
                                       parse_size(config.encoder_cache_size, "encoder_cache_size"))
+        # Cross-attention models read their images through cross-attention layers, not placeholder embeddings.
+        self.cross = (MllamaInputs(self.runner.model, self.mm.cache)
+                      if isinstance(self.runner.model, MllamaForConditionalGeneration) else None)
         self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
                               if config.stage_outputs else None)
 
@@ -154,22 +158,30 @@ class LLMEngine:
             ids = self.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        vocab = self.runner.arch.vocab_size
+        vocab = self.runner.model.embed_tokens.num_embeddings  # special tokens (an image token) may follow the vocab
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
         placed: list[PlacedInput] = []
-        if mm_inputs:
+        image = None
+        if self.cross is not None:
+            if mm_items:
+                raise ValueError("mm_items: a cross-attention model needs the image itself (mm_inputs)")
+            image = self.cross.prepare(mm_inputs, ids)
+            mm_items = [image.item] if image is not None else []
+        elif mm_inputs:
             if mm_items:
                 raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
             placed = self.mm.prepare(mm_inputs, len(ids))
             mm_items = [p.item for p in placed]
         req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
-                      cache_salt=cache_salt, prompt=text)
+                      cache_salt=cache_salt, prompt=text,
+                      num_encoder_tokens=image.num_tokens if image is not None else 0)
         req.mm_placed = placed
+        req.cross_image = image
         return req
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
@@ -229,6 +241,9 @@ class LLMEngine:
                                  tables if len(tables) > 1 else None))
             if req.mm_placed:
                 steps[-1].embeds = self.mm.embeddings(req.mm_placed, s.start_pos, end)
+            if req.cross_image is not None:
+                assert self.cross is not None
+                steps[-1].cross = self.cross.step(req.request_id, req.num_preemptions, req.cross_image)
         return steps
 
     def _detokenize(self, req: Request) -> str:
@@ -294,5 +309,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._decoders.pop(request_id, None)
+        if self.cross is not None:
+            self.cross.forget(request_id)
         if self.stage_outputs is not None:
             self.stage_outputs.forget(request_id)

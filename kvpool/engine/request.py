@@ -45,9 +45,9 @@ class Request(CacheRequest):
                  hasher: BlockHasher | None = None, eos_token_ids: Sequence[int] = (),
                  max_model_len: int | None = None, lora_id: int | str | None = None,
                  mm_items: Sequence[MultiModalItem] = (), cache_salt: str | None = None,
-                 prompt: str | None = None, arrival_time: float | None = None) -> None:
+                 prompt: str | None = None, arrival_time: float | None = None, num_encoder_tokens: int = 0) -> None:
         super().__init__(request_id, prompt_token_ids, hasher=hasher, lora_id=lora_id, mm_items=mm_items,
-                         cache_salt=cache_salt)
+                         cache_salt=cache_salt, num_encoder_tokens=num_encoder_tokens)
         self.sampling_params = sampling_params
         self.prompt = prompt
         self.status = RequestStatus.WAITING
@@ -69,6 +69,7 @@ class Request(CacheRequest):
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.mm_placed: list[Any] = []  # multimodal inputs placed in the prompt (kvpool.runner.multimodal)
+        self.cross_image: Any = None  # a cross-attention model's image (kvpool.runner.mllama.PlacedImage)
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)

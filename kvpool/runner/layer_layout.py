@@ -5,14 +5,16 @@ spec each), so one block id means k layers' pages in every group. Group g's bloc
 shared tensors: the i-th layer of every group uses tensor i. Memory is k tensors of num_blocks blocks
 however many groups there are; a sliding-window group holds only the blocks its window can see, so its
 share of the pool stays small (Gemma-3: 15 sliding + 3 full layers -> six groups of 3, three tensors).
+Cross-attention layers (Mllama) form groups of their own whose blocks hold the encoder tokens' K/V.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.core.grouping import group_layers
-from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvpool.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 @dataclass(frozen=True)
@@ -24,14 +26,19 @@ class LayerLayout:
 
     @classmethod
     def from_windows(cls, layer_windows: list[int | None], block_size: int, num_kv_heads: int, head_size: int,
-                     dtype_bytes: int, hybrid: bool = True) -> LayerLayout:
+                     dtype_bytes: int, hybrid: bool = True, cross_layers: Sequence[int] = (),
+                     max_encoder_tokens: int = 0) -> LayerLayout:
         """`layer_windows[i]`: layer i's sliding window, or None for full attention. `hybrid=False` is
         the uniform allocator the hybrid one is measured against: one full-attention group keeping every
-        block of every layer (sliding layers still attend to their window only)."""
+        block of every layer (sliding layers still attend to their window only). `cross_layers` attend to
+        at most `max_encoder_tokens` encoder tokens; they keep their own groups either way (their blocks
+        hold encoder tokens, not text)."""
         common = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                       dtype_bytes=dtype_bytes)
-        layer_specs = [FullAttentionSpec(**common) if w is None or not hybrid
-                       else SlidingWindowSpec(**common, sliding_window=w) for w in layer_windows]
+        cross = set(cross_layers)
+        layer_specs = [CrossAttentionSpec(**common, max_encoder_tokens=max_encoder_tokens) if i in cross
+                       else FullAttentionSpec(**common) if w is None or not hybrid
+                       else SlidingWindowSpec(**common, sliding_window=w) for i, w in enumerate(layer_windows)]
         return cls.from_specs(layer_specs, layer_windows)
 
     @classmethod
@@ -48,6 +55,11 @@ class LayerLayout:
     @property
     def num_groups(self) -> int:
         return len(self.specs)
+
+    @property
+    def cross_groups(self) -> frozenset[int]:
+        """Groups of cross-attention layers: their tables follow encoder tokens, not positions."""
+        return frozenset(g for g, s in enumerate(self.specs) if isinstance(s, CrossAttentionSpec))
 
     @property
     def layers_per_group(self) -> int:

@@ -32,6 +32,13 @@ from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
 from kvpool.runner.lfm2 import Lfm2Arch, Lfm2ForCausalLM
 from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
+from kvpool.runner.mllama import (
+    CrossAttentionMetadata,
+    CrossStep,
+    MllamaArch,
+    MllamaForConditionalGeneration,
+    plan_cross_attention,
+)
 from kvpool.runner.sampler import SamplingLike, sample
 from kvpool.runner.stage_output_cache import StageOutputCache
 from kvpool.runner.state_cache import PagedBuffers, large_page_bytes, layer_specs, plan_state
@@ -43,6 +50,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
 GEMMA3_ARCHS = {"gemma3_text"}
 LFM2_ARCHS = {"lfm2"}
+MLLAMA_ARCHS = {"mllama"}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -68,6 +76,8 @@ class SeqStep:
     group_block_ids: tuple[list[int], ...] | None = None
     # (rows within token_ids, embeddings): inputs replacing those tokens' embeddings (images, stage inputs)
     embeds: tuple[list[int], torch.Tensor] | None = None
+    # Cross-attention models: the request's image (its encoder states the first time), see kvpool.runner.mllama
+    cross: CrossStep | None = None
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
@@ -83,8 +93,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
         arch, cls = Gemma3Arch.from_hf_config(cfg), Gemma3ForCausalLM
     elif mtype in LFM2_ARCHS:
         arch, cls = Lfm2Arch.from_hf_config(cfg), Lfm2ForCausalLM
+    elif mtype in MLLAMA_ARCHS:
+        arch, cls = MllamaArch.from_hf_config(cfg), MllamaForConditionalGeneration
     else:
-        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS | LFM2_ARCHS)
+        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS | LFM2_ARCHS | MLLAMA_ARCHS)
         raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {supported})")
     with torch.device("meta"):
         model = cls(arch)  # type: ignore[arg-type]
@@ -124,7 +136,10 @@ class ModelRunner:
             raise ValueError(f"batch_invariant: needs dtype float32 or bfloat16, got {dtype!r}")
         t0 = time.perf_counter()
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        cross_layers = getattr(self.model.arch, "cross_attention_layers", ())
         if batch_invariant:
+            if cross_layers:
+                raise ValueError("batch_invariant: cross-attention models are not supported in this mode")
             if any(w is not None for w in self.model.arch.layer_windows):
                 raise ValueError("batch_invariant: sliding-window models are not supported in this mode")
             if getattr(self.model.arch, "layer_state_shapes", None) is not None:
@@ -137,13 +152,15 @@ class ModelRunner:
         state_shapes = getattr(arch, "layer_state_shapes", None)  # models with recurrent-state layers
         if state_shapes is None:
             self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim,
-                                                   elem, hybrid=hybrid)
+                                                   elem, hybrid=hybrid, cross_layers=cross_layers,
+                                                   max_encoder_tokens=getattr(arch, "num_encoder_tokens", 0))
         else:
             if not hybrid:
                 raise ValueError("hybrid_allocator: a model with state layers needs the hybrid allocator")
             self.layout = LayerLayout.from_specs(
                 layer_specs(state_shapes, block_size, arch.num_kv_heads, arch.head_dim, elem), arch.layer_windows)
         self._state_groups = {g for g, s in enumerate(self.layout.specs) if isinstance(s, MambaSpec)}
+        self._cross_groups = self.layout.cross_groups  # planned by plan_cross_attention, not by position
         self._views, self._view_of_layer = self.layout.attention_views()
         groups = [g for g, _ in self._views]
         self._shared_groups = {g for g in groups if groups.count(g) > 1}  # groups seen through several windows
@@ -209,7 +226,8 @@ class ModelRunner:
         """One spec per KV cache group, for the manager (group i of the manager is group i here)."""
         return list(self.layout.specs)
 
-    def _metadata(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+    def _metadata(self, steps: list[SeqStep]
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata | CrossAttentionMetadata]]:
         """Token ids, positions, and the attention metadata of each KV cache group for a step."""
         bs = self.block_size
         dev = self.device
@@ -233,6 +251,8 @@ class ModelRunner:
                 raise ValueError(f"{s.req_id}: {len(tables)} block tables for {n_groups} KV cache groups")
             spans.append((t, s.start_pos, n))
             for g, block_ids in enumerate(tables):
+                if g in self._cross_groups:
+                    continue
                 if n_blocks > len(block_ids):
                     raise ValueError(f"{s.req_id}: block table too short for {end} tokens")
                 if g in self._state_groups:
@@ -243,12 +263,15 @@ class ModelRunner:
                 seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
         metas: list = []
-        slots = [torch.cat(c).to(dev) if c else None for c in slot_chunks]
+        slots = [torch.cat(c).to(dev) if c else torch.empty(0, dtype=torch.long, device=dev) for c in slot_chunks]
         # Masks depend on positions and the window, not on block ids: groups of one window share them.
         masks_by_window: dict[int, AttentionMetadata] = {}
         for g, window in self._views:
             if g in self._state_groups:
                 metas.append(plan_state(spans, state_tables[g], bs, dev))
+                continue
+            if g in self._cross_groups:
+                metas.append(plan_cross_attention(steps, g, bs, self.dtype, dev))
                 continue
             # Planning annotates the sequences, so each view of a group gets its own copies.
             group_seqs = [replace(x) for x in seqs[g]] if g in self._shared_groups else seqs[g]

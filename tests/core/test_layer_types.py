@@ -53,6 +53,13 @@ def test_page_sizes_follow_the_layer_shape() -> None:
     assert MambaSpec(block_size=64, state_shapes=((3, 4), (5,)), state_dtype_bytes=(2, 4)).page_size_bytes == 44
 
 
+def test_cross_attention_admission_counts_encoder_tokens() -> None:
+    # What one request holds at most: its encoder tokens' blocks, however long its text.
+    spec = CrossAttentionSpec(block_size=4, max_encoder_tokens=10)
+    assert spec.max_blocks_held(1000, 16) == 3 and spec.max_blocks_held(1, 1) == 3
+    assert CrossAttentionSpec(block_size=4).max_blocks_held(1000, 16) == 0
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda: FullAttentionSpec(block_size=0), "block_size: must be an int >= 1, got 0"),
     (lambda: FullAttentionSpec(block_size=4, head_size=-2), "head_size: must be an int >= 1, got -2"),
@@ -63,6 +70,8 @@ def test_page_sizes_follow_the_layer_shape() -> None:
     (lambda: MambaSpec(block_size=4, state_shapes=((2, 0),), state_dtype_bytes=(2,)),
      "state_shapes: every dimension must be an int >= 1, got (2, 0)"),
     (lambda: dtype_bytes("float64"), "dtype: unknown dtype 'float64'"),
+    (lambda: CrossAttentionSpec(block_size=4, max_encoder_tokens=-1),
+     "max_encoder_tokens: must be an int >= 0, got -1"),
     (lambda: CacheRequest("r", [1], num_encoder_tokens=-1), "num_encoder_tokens: must be an int >= 0, got -1"),
     (lambda: group_layers([]), "layer_specs: a model needs at least one layer"),
     (lambda: group_layers([FULL, FullAttentionSpec(block_size=8)]), "layer_specs: all layers need one block_size"),
