@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.runner.attention import AttentionMetadata, paged_attention
-from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, PackedLinear, RMSNorm, Rotary
+from kvpool.runner.llama import (
+    LlamaArch,
+    LlamaForCausalLM,
+    PackedLinear,
+    RMSNorm,
+    Rotary,
+    check_all_loaded,
+    load_param,
+)
 from kvpool.runner.state_cache import StateMetadata, run_conv_state
 
 
@@ -182,14 +190,5 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
             name = name.removeprefix("model.")
             if name.startswith("lm_head.") and self.lm_head is None:
                 continue  # tied: the embedding serves
-            if name not in params:
-                raise ValueError(f"weights: unexpected tensor {name!r}")
-            p = params[name]
-            if p.shape != w.shape:
-                raise ValueError(f"weights: {name!r} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(w.to(p.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"weights: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            load_param(params, name, name, w, loaded)
+        check_all_loaded(params, loaded)

@@ -89,6 +89,24 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def load_param(params: dict[str, nn.Parameter], target: str, name: str, w: torch.Tensor, loaded: set[str]) -> None:
+    """Copy checkpoint tensor `name` into parameter `target` (ValueError if unknown or misshapen)."""
+    if target not in params:
+        raise ValueError(f"weights: unexpected tensor {name!r}")
+    p = params[target]
+    if p.shape != w.shape:
+        raise ValueError(f"weights: {name!r} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
+    with torch.no_grad():
+        p.copy_(w.to(p.dtype))
+    loaded.add(target)
+
+
+def check_all_loaded(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"weights: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -239,14 +257,5 @@ class LlamaForCausalLM(nn.Module):
                 w = torch.cat([slot[str(i)] for i in range(n_parts)], dim=0)
                 del pending[target]
             target = target.replace("self_attn.", "").replace("mlp.", "")
-            if target not in params:
-                raise ValueError(f"weights: unexpected tensor {name!r}")
-            p = params[target]
-            if p.shape != w.shape:
-                raise ValueError(f"weights: {name!r} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(w.to(p.dtype))
-            loaded.add(target)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"weights: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            load_param(params, target, name, w, loaded)
+        check_all_loaded(params, loaded)

@@ -32,7 +32,16 @@ from torch import nn
 from kvpool.core.request import MultiModalItem
 from kvpool.runner.attention import gather_blocks, write_kv
 from kvpool.runner.encoder_cache import EncoderCache
-from kvpool.runner.llama import DecoderLayer, LlamaArch, LlamaForCausalLM, PackedLinear, RMSNorm, Rotary
+from kvpool.runner.llama import (
+    DecoderLayer,
+    LlamaArch,
+    LlamaForCausalLM,
+    PackedLinear,
+    RMSNorm,
+    Rotary,
+    check_all_loaded,
+    load_param,
+)
 from kvpool.runner.multimodal import TiledImageInput, content_hash
 
 # Rows of the embedding table past the text vocabulary: <|image|> and other special tokens (transformers: +8).
@@ -305,17 +314,8 @@ class MllamaForConditionalGeneration(LlamaForCausalLM):
                 del pending[target]
             elif parts[0] == "layers" and len(parts) > 3 and parts[2] in ("self_attn", "cross_attn", "mlp"):
                 target = ".".join(parts[:2] + parts[3:])
-            if target not in params:
-                raise ValueError(f"weights: unexpected tensor {name!r}")
-            p = params[target]
-            if p.shape != w.shape:
-                raise ValueError(f"weights: {name!r} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(w.to(p.dtype))
-            loaded.add(target)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"weights: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            load_param(params, target, name, w, loaded)
+        check_all_loaded(params, loaded)
 
 
 def _as_tensor(value: Any, name: str) -> torch.Tensor:
