@@ -41,7 +41,7 @@ from kvpool.runner.mllama import (
 )
 from kvpool.runner.sampler import SamplingLike, sample
 from kvpool.runner.stage_output_cache import StageOutputCache
-from kvpool.runner.state_cache import PagedBuffers, large_page_bytes, layer_specs, plan_state
+from kvpool.runner.state_cache import PagedBuffers, StateMetadata, large_page_bytes, layer_specs, plan_state
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
 GEMMA3_ARCHS = {"gemma3_text"}
 LFM2_ARCHS = {"lfm2"}
 MLLAMA_ARCHS = {"mllama"}
+# What a step plans per KV cache group: attention over blocks, cross-attention to an image, or states.
+GroupMetadata = AttentionMetadata | CrossAttentionMetadata | StateMetadata
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -227,7 +229,7 @@ class ModelRunner:
         return list(self.layout.specs)
 
     def _metadata(self, steps: list[SeqStep]
-                  ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata | CrossAttentionMetadata]]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[GroupMetadata]]:
         """Token ids, positions, and the attention metadata of each KV cache group for a step."""
         bs = self.block_size
         dev = self.device
@@ -262,7 +264,7 @@ class ModelRunner:
                 slot_chunks[g].append(table[pos // bs] * bs + pos % bs)
                 seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
-        metas: list = []
+        metas: list[GroupMetadata] = []
         slots = [torch.cat(c).to(dev) if c else torch.empty(0, dtype=torch.long, device=dev) for c in slot_chunks]
         # Masks depend on positions and the window, not on block ids: groups of one window share them.
         masks_by_window: dict[int, AttentionMetadata] = {}
