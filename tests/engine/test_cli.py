@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes.util
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_generate_default_model(smol_dir: Path) -> None:
@@ -24,3 +28,16 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_llama_dir: Path) ->
     out = subprocess.run([sys.executable, "-m", "kvpool.cli", "generate", "hi", "--max-tokens", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "max_tokens" in out.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not ctypes.util.find_library("tcmalloc_minimal"),
+                    reason="no tcmalloc on this system")
+def test_cli_runs_on_tcmalloc_unless_told_not_to() -> None:
+    cmd = [sys.executable, "-m", "kvpool.cli", "-v", "bench", "memory", "--models", "gemma-2-9b", "--contexts", "2048"]
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KVPOOL_MALLOC")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "allocator: tcmalloc" in out.stderr
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "KVPOOL_MALLOC": "system"})
+    assert out.returncode == 0, out.stderr
+    assert "allocator: the system's malloc" in out.stderr

@@ -87,6 +87,12 @@ CASES = {
                                               ([10, 11, 12], 0, 11), ([13, 14], 7, 1)],
     "members diverging inside the shared blocks": [([1, 2, 3, 5], 14, 1), ([1, 2, 6, 7], 13, 1)],
     "shared blocks that are not adjacent ids": [([5, 2, 9, 4, 6], 18, 1), ([5, 2, 9, 4, 7], 17, 3)],
+    # Four prefixes in one step, three of one length; groups of 3, 2, 2 and 2 members mixing decodes
+    # and chunks.
+    "several prefixes in flight": [([1, 2, 3], 10, 1), ([1, 2, 4], 8, 3), ([1, 2, 5], 9, 1),
+                                   ([6, 7, 8], 11, 1), ([6, 7, 9], 8, 2),
+                                   ([10, 11, 12], 10, 1), ([10, 11, 13], 9, 1),
+                                   ([14, 15, 16, 17], 14, 1), ([14, 15, 16, 18], 12, 3)],
 }
 
 
@@ -100,6 +106,8 @@ def test_matches_dense_attention(case: str, cascade: bool) -> None:
     torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
     if cascade and case != "mixed, with an unrelated fresh prefill":
         assert meta.groups, "the shared prefix should have formed a cascade group"
+    if cascade and case == "several prefixes in flight":
+        assert sorted((g.prefix_len, len(g.members)) for g in meta.groups) == [(8, 2), (8, 2), (8, 3), (12, 2)]
 
 
 def test_cascade_groups_take_only_fully_visible_shared_blocks() -> None:
