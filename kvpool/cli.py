@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kvpool.cli").debug("allocator: %s", "tcmalloc" if _tcmalloc_mapped() else "the system's malloc")
+    if args.verbose:
+        allocator = "tcmalloc" if _tcmalloc_mapped() else "the system's malloc"
+        logging.getLogger("kvpool.cli").debug("allocator: %s", allocator)
     try:
         if args.command == "generate":
             cmd_generate(args)
