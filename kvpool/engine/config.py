@@ -57,6 +57,9 @@ class EngineConfig:
     encoder_cache_size: int | str = "256MiB"
     # Results independent of batching, chunking and prefix hits, bit for bit (slower attention).
     batch_invariant: bool = False
+    # Decode attention through kvpool's compiled CPU kernel (kvpool.runner.kernels) when it builds here;
+    # False keeps to torch ops (also: KVPOOL_KERNELS=0).
+    native_kernels: bool = True
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

@@ -65,7 +65,7 @@ class LLMEngine:
                                   num_blocks=config.num_blocks, hybrid=config.hybrid_allocator,
                                   stage_outputs=config.stage_outputs, stage_output_layers=config.stage_output_layers,
                                   stage_output_cache=config.enable_prefix_caching,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant, native_kernels=config.native_kernels)
         bs = config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         self.max_model_len = self._longest_fitting_request(self.max_model_len)

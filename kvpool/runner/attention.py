@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvpool.runner import kernels
 from kvpool.runner.invariant import MIN_ROWS
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -65,6 +66,11 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # (B,) query rows
     decode_tables: torch.Tensor | None = None  # (B, W) suffix block ids, padded with block 0
     decode_mask: torch.Tensor | None = None  # (B, W * block_size) True where a key is visible
+    decode_lows: torch.Tensor | None = None  # (B,) first visible key, counted from the table's first block
+    decode_lens: torch.Tensor | None = None  # (B,) keys up to here, same origin
+    # Decode rows go through the compiled kernel (kvpool.runner.kernels), which reads every key in place
+    # and so needs neither cascades nor the padded gather.
+    decode_kernel: bool = False
     # Sliding-window layers: each query sees the `window` most recent positions, itself included.
     window: int | None = None
     # Every sequence through `invariant_attention` (no cascades, no decode batch, no fresh-prefill kernel).
@@ -81,6 +87,8 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
         return
     by_first: dict[int, list[int]] = {}
     for i, s in enumerate(meta.seqs):
+        if meta.decode_kernel and s.num_queries == 1:
+            continue
         if s.context_len - s.num_queries >= min_tokens and len(s.block_ids):
             by_first.setdefault(int(s.block_ids[0]), []).append(i)
     for members in by_first.values():
@@ -131,7 +139,7 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
         s = meta.seqs[i]
         tables.append(s.block_ids[s.first_block: -(-s.context_len // block_size)])
         lens.append(s.context_len - s.first_block * block_size)
-        lows.append(0 if meta.window is None else lens[-1] - meta.window)
+        lows.append(0 if meta.window is None else max(0, lens[-1] - meta.window))
     width = max(len(t) for t in tables)
     padded = torch.zeros(len(idx), width, dtype=torch.long, device=dev)
     for j, t in enumerate(tables):
@@ -140,9 +148,13 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
     meta.decode_seqs = idx
     meta.decode_rows = torch.tensor([meta.seqs[i].q_start for i in idx], dtype=torch.long, device=dev)
     meta.decode_tables = padded
-    meta.decode_mask = pos[None, :] < torch.tensor(lens, device=dev)[:, None]
+    meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+    meta.decode_lows = torch.tensor(lows, dtype=torch.long, device=dev)
+    if meta.decode_kernel:
+        return
+    meta.decode_mask = pos[None, :] < meta.decode_lens[:, None]
     if meta.window is not None:
-        meta.decode_mask &= pos[None, :] >= torch.tensor(lows, device=dev)[:, None]
+        meta.decode_mask &= pos[None, :] >= meta.decode_lows[:, None]
 
 
 def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int, block_size: int) -> None:
@@ -254,7 +266,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     grouped = bool(meta.groups)
     acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if grouped else None
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if grouped else None
-    if meta.decode_seqs:
+    if meta.decode_seqs and meta.decode_kernel:
+        op = kernels.paged_decode_attention()
+        assert op is not None, "decode_kernel is set only when the kernel loaded"
+        rows = meta.decode_rows
+        qd = q[rows]
+        out[rows] = op(qd, k_cache, v_cache, meta.decode_tables, meta.decode_lows, meta.decode_lens, scale,
+                       torch.empty_like(qd))
+    elif meta.decode_seqs:
         o, l_ = _decode_suffix(q, k_cache, v_cache, meta, scale)
         rows = meta.decode_rows
         assert rows is not None

@@ -19,6 +19,7 @@ import torch
 
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 from kvpool.core.swap import SwapPlan
+from kvpool.runner import kernels
 from kvpool.runner.attention import (
     AttentionMetadata,
     SeqAttn,
@@ -129,7 +130,7 @@ class ModelRunner:
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
                  enable_cascade: bool = True, hybrid: bool = True, stage_outputs: bool = False,
                  stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, native_kernels: bool = True) -> None:
         self.enable_cascade = enable_cascade
         self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
         self.device = torch.device(device) if device else default_device()
@@ -149,6 +150,11 @@ class ModelRunner:
             make_batch_invariant(self.model, self.dtype)
         arch = self.model.arch
         self.arch = arch
+        # The compiled decode kernel covers these shapes (see decode_attention.cpp); the torch path the rest.
+        self.decode_kernel = (native_kernels and not batch_invariant and self.device.type == "cpu"
+                              and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
+                              and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
+                              and kernels.paged_decode_attention() is not None)
         self.block_size = block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         state_shapes = getattr(arch, "layer_state_shapes", None)  # models with recurrent-state layers
@@ -277,7 +283,8 @@ class ModelRunner:
                 continue
             # Planning annotates the sequences, so each view of a group gets its own copies.
             group_seqs = [replace(x) for x in seqs[g]] if g in self._shared_groups else seqs[g]
-            meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window)
+            meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window,
+                                     decode_kernel=self.decode_kernel)
             metas.append(meta)
             if self.batch_invariant:
                 meta.batch_invariant = True

@@ -67,6 +67,13 @@ def test_cascade_attention_on_and_off(tiny_llama_dir: Path, expected: list[list[
     assert got == expected
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_decode_kernel_on_and_off(tiny_llama_dir: Path, expected: list[list[int]], native: bool) -> None:
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), native_kernels=native)
+    assert llm.engine.runner.decode_kernel is native  # the kernel builds here: CI must not skip it silently
+    assert got == expected
+
+
 def test_batched_equals_one_at_a_time(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=256)
     singles = [llm.generate([p], SamplingParams.greedy(N_NEW), use_tqdm=False)[0].token_ids

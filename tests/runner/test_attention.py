@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpool.runner import kernels
 from kvpool.runner.attention import (
     AttentionMetadata,
     SeqAttn,
@@ -14,6 +15,8 @@ from kvpool.runner.attention import (
     plan_masks,
     plan_windows,
 )
+
+KERNEL = [False, True]  # decode rows through the torch path, then through the compiled kernel
 
 BS, HKV, H, D = 4, 2, 4, 8
 
@@ -33,7 +36,7 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window:
 
 
 def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch.dtype = torch.float32,
-             window: int | None = None):
+             window: int | None = None, kernel: bool = False):
     """seqs: (block table, first query position, number of queries); their earlier tokens are cached.
     With a window, block 0 (the null block) holds NaN: a table entry of 0 must never be read."""
     torch.manual_seed(0)
@@ -61,7 +64,8 @@ def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch
         slots.append(slot)
         metas.append(SeqAttn(row, row + n, start + n, t[: -(-(start + n) // BS)]))
         row += n
-    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=metas, window=window)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=metas, window=window, decode_kernel=kernel)
+    assert not kernel or kernels.paged_decode_attention() is not None, "the decode kernel did not build"
     plan_windows(meta, BS)
     if cascade:
         plan_cascades(meta, BS, min_tokens=BS)
@@ -98,15 +102,20 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("cascade", [False, True])
-def test_matches_dense_attention(case: str, cascade: bool) -> None:
-    out, ref, meta = run_step(CASES[case], cascade)
+@pytest.mark.parametrize("kernel", KERNEL)
+def test_matches_dense_attention(case: str, cascade: bool, kernel: bool) -> None:
+    out, ref, meta = run_step(CASES[case], cascade, kernel=kernel)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # The cascade is exact: same result as attending to each sequence's whole context alone.
     plain, _, _ = run_step(CASES[case], False)
     torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
-    if cascade and case != "mixed, with an unrelated fresh prefill":
+    if kernel:
+        # The kernel reads each decode row's whole context: only multi-token chunks form groups.
+        assert all(meta.seqs[i].num_queries > 1 for g in meta.groups for i in g.members)
+        assert meta.decode_mask is None
+    elif cascade and case != "mixed, with an unrelated fresh prefill":
         assert meta.groups, "the shared prefix should have formed a cascade group"
-    if cascade and case == "several prefixes in flight":
+    if cascade and not kernel and case == "several prefixes in flight":
         assert sorted((g.prefix_len, len(g.members)) for g in meta.groups) == [(8, 2), (8, 2), (8, 3), (12, 2)]
 
 
@@ -122,9 +131,10 @@ def test_cascade_groups_take_only_fully_visible_shared_blocks() -> None:
     assert meta.groups[0].first_block is None and meta.groups[0].prefix_len == 16  # gathered
 
 
-def test_bf16_close_to_dense() -> None:
-    out, ref, meta = run_step(CASES["mixed, with an unrelated fresh prefill"], True, torch.bfloat16)
-    assert meta.groups
+@pytest.mark.parametrize("kernel", KERNEL)
+def test_bf16_close_to_dense(kernel: bool) -> None:
+    out, ref, meta = run_step(CASES["mixed, with an unrelated fresh prefill"], True, torch.bfloat16, kernel=kernel)
+    assert bool(meta.groups) != kernel  # the prefix's one other member is a decode row, the kernel's
     torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
 
@@ -139,8 +149,9 @@ WINDOW_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(WINDOW_CASES))
-def test_sliding_window_matches_dense(case: str) -> None:
-    out, ref, meta = run_step(WINDOW_CASES[case], cascade=True, window=6)
+@pytest.mark.parametrize("kernel", KERNEL)
+def test_sliding_window_matches_dense(case: str, kernel: bool) -> None:
+    out, ref, meta = run_step(WINDOW_CASES[case], cascade=True, window=6, kernel=kernel)
     assert not meta.groups  # no cascades over a window
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,86 @@
+"""Native CPU kernels, compiled on first use and cached; the pure-torch paths are the fallback.
+
+`paged_decode_attention` (decode_attention.cpp) reads keys and values in place through block tables.
+It is compiled once per machine and source version with torch's own extension builder into
+`<kvpool cache>/kernels/` (`kvpool build-kernels` or `scripts/install.sh` do it ahead of time), then
+loaded as a torch op. Set KVPOOL_KERNELS=0 to run without it; if the build fails (no C++ compiler),
+kvpool logs why once and keeps to torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+# -march=native: the library is built on the machine that runs it (the build dir is keyed by its CPU).
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+          "-fassociative-math", "-fopenmp"]
+# torch's own libgomp (same soname) is already loaded, so the kernels share torch's thread pool.
+LDFLAGS = ["-fopenmp"]
+
+
+def _cpu_key() -> str:
+    """The CPU's model and feature flags: a library built with -march=native runs only where they match."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build_dir() -> Path:
+    from kvpool.runner.model_files import cache_dir
+
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_key().encode())
+    return cache_dir() / "kernels" / h.hexdigest()[:16]
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels (if not yet built for this machine) and load them; returns the library path."""
+    out = build_dir()
+    lib = out / "kvpool_kernels.so"
+    if not lib.exists():
+        from torch.utils import cpp_extension
+
+        # The ninja wheel installs into the venv's bin/, which need not be on PATH.
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        out.mkdir(parents=True, exist_ok=True)
+        log.info("compiling kvpool's CPU kernels into %s", out)
+        cpp_extension.load(name="kvpool_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                           build_directory=str(out), is_python_module=False, verbose=verbose)
+    else:
+        torch.ops.load_library(str(lib))
+    return lib
+
+
+@functools.cache
+def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
+    """The compiled op, or None when disabled (KVPOOL_KERNELS=0) or not buildable here."""
+    if os.environ.get("KVPOOL_KERNELS", "1") == "0":
+        return None
+    try:
+        build()
+    except Exception as e:  # a missing compiler or ninja must not stop the engine: torch computes the same
+        lines = str(e).strip().splitlines()
+        log.warning("kvpool's CPU kernels are unavailable (%s); decoding runs on the torch path",
+                    lines[-1] if lines else type(e).__name__)
+        return None
+    return torch.ops.kvpool.paged_decode_attention
+

@@ -1,0 +1,273 @@
+// Paged decode attention on the CPU: one query token per sequence, keys and values read in place
+// through the sequence's block table, so nothing is gathered or copied. Each (sequence, kv head) is
+// one task: its query heads share every key and value load, and an online softmax in fp32 keeps one
+// pass over the context. Built at first use by kvpool/runner/kernels/__init__.py; the pure-torch path
+// in kvpool/runner/attention.py computes the same thing when this library is missing.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define KVPOOL_AVX512_BF16 1
+#endif
+
+namespace {
+
+constexpr int64_t kMaxGroup = 16;   // query heads per kv head
+constexpr int64_t kMaxDim = 256;    // head_dim
+constexpr int64_t kMaxBlock = 256;  // tokens per block
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their running maximum), in a form the compiler vectorizes: no libm
+// call. 2^n from the exponent bits times a degree-6 polynomial on [-ln2/2, ln2/2]: relative error
+// about 2e-7, below fp32 rounding of the softmax sums it feeds.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this exp underflows fp32 anyway; keeps 2^n a normal number
+  const float n = __builtin_floorf(x * kLog2e + 0.5f);
+  const float y = x - n * kLn2;
+  float p = 1.0f / 720.0f;
+  p = p * y + 1.0f / 120.0f;
+  p = p * y + 1.0f / 24.0f;
+  p = p * y + 1.0f / 6.0f;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#ifdef KVPOOL_AVX512_BF16
+// Sixteen vectors of partial sums -> one vector holding their sixteen totals, in order: a transpose
+// folded into the additions, so no horizontal sum runs per key.
+inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of up to 16 bf16 keys against the group's bf16 queries with the bf16 dot-product
+// instruction (exact products, fp32 sums), scaled: scores[g][0..n).
+template <int64_t DIM>
+inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, int64_t n, int64_t s_token,
+                        int64_t group, float scale, float (*scores)[kMaxBlock], int64_t col) {
+  static_assert(DIM % 32 == 0, "whole 32-element bf16 vectors");
+  constexpr int64_t kChunks = DIM / 32;
+  __m512i kv[16][kChunks];
+  for (int64_t t = 0; t < 16; ++t) {
+    for (int64_t c = 0; c < kChunks; ++c) {
+      kv[t][c] = t < n ? _mm512_loadu_si512(keys + t * s_token + c * 32) : _mm512_setzero_si512();
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512i qv[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_si512(q + g * DIM + c * 32);
+    __m512 acc[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kChunks; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)kv[t][c]);
+      acc[t] = a;
+    }
+    alignas(64) float tile[16];
+    _mm512_store_ps(tile, _mm512_mul_ps(sum16(acc), vscale));
+    for (int64_t t = 0; t < n; ++t) scores[g][col + t] = tile[t];
+  }
+}
+#endif
+
+// DIM > 0 fixes head_dim at compile time, so the loops over it unroll into whole vector registers;
+// DIM == 0 is the generic fallback for other sizes.
+template <typename T, int64_t DIM>
+void decode_one(const T* q, T* out, const T* k_cache, const T* v_cache, const int64_t* table, int64_t lo,
+                int64_t len, int64_t group, int64_t runtime_dim, int64_t block_size, int64_t s_block,
+                int64_t s_token, float scale) {
+  const int64_t dim = DIM > 0 ? DIM : runtime_dim;
+  alignas(64) float qf[kMaxGroup][kMaxDim];
+  alignas(64) float acc[kMaxGroup][kMaxDim];
+  alignas(64) float p[kMaxGroup][kMaxBlock];
+  alignas(64) float row[kMaxDim];
+  float m[kMaxGroup];
+  float l[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) {
+      qf[g][d] = to_float(q[g * dim + d]) * scale;
+      acc[g][d] = 0.0f;
+    }
+    m[g] = -1e30f;
+    l[g] = 0.0f;
+  }
+  for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
+    const int64_t block = table[start / block_size];
+    const int64_t t0 = std::max(lo, start) - start;
+    const int64_t t1 = std::min(len, start + block_size) - start;
+    const int64_t n = t1 - t0;
+    const T* kb = k_cache + block * s_block + t0 * s_token;
+    const T* vb = v_cache + block * s_block + t0 * s_token;
+    if (start + block_size < len) {
+      // Blocks are scattered, so the hardware prefetcher cannot see the next one coming: ask for it now,
+      // while this one computes.
+      const int64_t next = table[start / block_size + 1];
+      const char* nk = reinterpret_cast<const char*>(k_cache + next * s_block);
+      const char* nv = reinterpret_cast<const char*>(v_cache + next * s_block);
+      for (int64_t t = 0; t < block_size; ++t) {
+        for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
+          __builtin_prefetch(nk + t * s_token * sizeof(T) + off);
+          __builtin_prefetch(nv + t * s_token * sizeof(T) + off);
+        }
+      }
+    }
+#ifdef KVPOOL_AVX512_BF16
+    if constexpr (std::is_same_v<T, c10::BFloat16> && DIM > 0 && DIM % 32 == 0) {
+      for (int64_t t = 0; t < n; t += 16) {
+        scores_bf16<DIM>(q, kb + t * s_token, std::min<int64_t>(16, n - t), s_token, group, scale, p, t);
+      }
+    } else
+#endif
+    {
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kb[t * s_token + d]);
+        for (int64_t g = 0; g < group; ++g) {
+          float s = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) s += qf[g][d] * row[d];
+          p[g][t] = s;
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float mx = m[g];
+      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, p[g][t]);
+      const float alpha = exp_nonpositive(m[g] - mx);
+      float sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) {
+        p[g][t] = exp_nonpositive(p[g][t] - mx);
+        sum += p[g][t];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
+      for (int64_t d = 0; d < dim; ++d) acc[g][d] *= alpha;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vb[t * s_token + d]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = p[g][t];
+        for (int64_t d = 0; d < dim; ++d) acc[g][d] += w * row[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    // len > lo is checked by the caller, so every row saw at least one key and l > 0.
+    const float inv = 1.0f / l[g];
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g][d] * inv);
+  }
+}
+
+
+template <typename T>
+void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& tables, const at::Tensor& lows, const at::Tensor& lens, double scale,
+                at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t width = tables.size(1);
+  const T* qp = q.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const T* kp = k_cache.const_data_ptr<T>();
+  const T* vp = v_cache.const_data_ptr<T>();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t* lo = lows.const_data_ptr<int64_t>();
+  const int64_t* ln = lens.const_data_ptr<int64_t>();
+  const int64_t s_head = k_cache.stride(0), s_block = k_cache.stride(1), s_token = k_cache.stride(2);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads;
+      const int64_t offset = (b * heads + h * group) * dim;
+      auto* fn = dim == 64 ? &decode_one<T, 64> : dim == 128 ? &decode_one<T, 128> : &decode_one<T, 0>;
+      fn(qp + offset, op + offset, kp + h * s_head, vp + h * s_head, tp + b * width, lo[b], ln[b], group, dim,
+         block_size, s_block, s_token, static_cast<float>(scale));
+    }
+  });
+}
+
+// q: (B, heads, D); k_cache, v_cache: (kv_heads, blocks, block_size, D), D contiguous; tables: (B, W)
+// int64 block ids; sequence b attends to positions [lows[b], lens[b]) of the blocks its table lists.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& tables, const at::Tensor& lows, const at::Tensor& lens,
+                                  double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, heads, head_dim) tensor");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous and shaped and typed like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must share one (kv_heads, blocks, block_size, head_dim) layout");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share one dtype");
+  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "heads / kv_heads must be a whole number <= ",
+              kMaxGroup);
+  TORCH_CHECK(dim <= kMaxDim && k_cache.size(2) <= kMaxBlock, "head_dim <= ", kMaxDim, " and block_size <= ",
+              kMaxBlock, " only");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kLong &&
+                  tables.is_contiguous(), "tables must be a contiguous int64 (B, W) tensor");
+  TORCH_CHECK(lows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && lows.is_contiguous() &&
+                  lens.is_contiguous() && lows.numel() == q.size(0) && lens.numel() == q.size(0),
+              "lows and lens must be contiguous int64 (B,) tensors");
+  const int64_t* lo = lows.const_data_ptr<int64_t>();
+  const int64_t* ln = lens.const_data_ptr<int64_t>();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t width = tables.size(1), block_size = k_cache.size(2), blocks = k_cache.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(0 <= lo[b] && lo[b] < ln[b] && ln[b] <= width * block_size, "sequence ", b, ": keys [", lo[b],
+                ", ", ln[b], ") do not fit its ", width, " blocks");
+    // Out-of-range ids would read outside the caches: refuse them here rather than fault mid-kernel.
+    for (int64_t j = lo[b] / block_size; j <= (ln[b] - 1) / block_size; ++j) {
+      TORCH_CHECK(0 <= tp[b * width + j] && tp[b * width + j] < blocks, "sequence ", b, ": block id ",
+                  tp[b * width + j], " is outside the cache's ", blocks, " blocks");
+    }
+  }
+  if (q.scalar_type() == at::kFloat) {
+    decode_all<float>(q, k_cache, v_cache, tables, lows, lens, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_all<c10::BFloat16>(q, k_cache, v_cache, tables, lows, lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 and bfloat16 only, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpool, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lows, "
+        "Tensor lens, float scale, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
