@@ -71,6 +71,10 @@ class AttentionMetadata:
     # Decode rows go through the compiled kernel (kvpool.runner.kernels), which reads every key in place
     # and so needs neither cascades nor the padded gather.
     decode_kernel: bool = False
+    # Multi-token chunks through the compiled flash kernel (bf16): no cascades, masks or gathers for them.
+    prefill_kernel: bool = False
+    prefill_seqs: list[int] = field(default_factory=list)
+    prefill_args: tuple[torch.Tensor, ...] = ()  # q_starts, q_lens, ctx_lens, tables: see plan_prefill_batch
     # Sliding-window layers: each query sees the `window` most recent positions, itself included.
     window: int | None = None
     # Every sequence through `invariant_attention` (no cascades, no decode batch, no fresh-prefill kernel).
@@ -87,7 +91,7 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
         return
     by_first: dict[int, list[int]] = {}
     for i, s in enumerate(meta.seqs):
-        if meta.decode_kernel and s.num_queries == 1:
+        if _kernel_reads(meta, s):
             continue
         if s.context_len - s.num_queries >= min_tokens and len(s.block_ids):
             by_first.setdefault(int(s.block_ids[0]), []).append(i)
@@ -157,6 +161,29 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
         meta.decode_mask &= pos[None, :] >= meta.decode_lows[:, None]
 
 
+def _kernel_reads(meta: AttentionMetadata, s: SeqAttn) -> bool:
+    """Whether a compiled kernel attends for this sequence (then it reads its whole context in place)."""
+    return meta.decode_kernel if s.num_queries == 1 else meta.prefill_kernel
+
+
+def plan_prefill_batch(meta: AttentionMetadata) -> None:
+    """The multi-token chunks' rows, context lengths and whole block tables, for the prefill kernel."""
+    if not meta.prefill_kernel:
+        return
+    idx = [i for i, s in enumerate(meta.seqs) if s.num_queries > 1]
+    if not idx:
+        return
+    dev = meta.slot_mapping.device
+    width = max(len(meta.seqs[i].block_ids) for i in idx)
+    tables = torch.zeros(len(idx), width, dtype=torch.long, device=dev)
+    for j, i in enumerate(idx):
+        tables[j, :len(meta.seqs[i].block_ids)] = meta.seqs[i].block_ids
+    cols = [[meta.seqs[i].q_start, meta.seqs[i].num_queries, meta.seqs[i].context_len] for i in idx]
+    starts, lens, ctx = torch.tensor(cols, dtype=torch.long, device=dev).t().contiguous()
+    meta.prefill_seqs = idx
+    meta.prefill_args = (starts, lens, ctx, tables)
+
+
 def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int, block_size: int) -> None:
     """Once per step, for every multi-token chunk with cached context (or longer than its window): the
     additive causal (and window) bias over the keys it reads itself, rows repeated for the `group`
@@ -164,7 +191,7 @@ def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int, block_si
     w = meta.window
     for s in meta.seqs:
         ql = s.num_queries
-        if ql == 1 or (s.context_len == ql and (w is None or ql <= w)):
+        if ql == 1 or (s.context_len == ql and (w is None or ql <= w)) or meta.prefill_kernel:
             continue
         n_keys = s.context_len - s.first_block * block_size
         dev = meta.slot_mapping.device
@@ -281,9 +308,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if grouped:
             acc[rows] = o  # type: ignore[index]
             lse[rows] = l_  # type: ignore[index]
+    if meta.prefill_seqs:
+        op = kernels.paged_prefill_attention()
+        assert op is not None, "prefill_kernel is set only when the kernel loaded"
+        op(q.contiguous(), k_cache, v_cache, *meta.prefill_args, meta.window or 0, scale, out)
     for s in meta.seqs:
         ql = s.num_queries
-        if ql == 1:
+        if ql == 1 or meta.prefill_kernel:
             continue
         qs = q[s.q_start:s.q_end]
         if s.context_len == ql and s.bias is None:

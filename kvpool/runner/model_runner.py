@@ -26,6 +26,7 @@ from kvpool.runner.attention import (
     plan_cascades,
     plan_decode_batch,
     plan_masks,
+    plan_prefill_batch,
     plan_windows,
 )
 from kvpool.runner.gemma3 import Gemma3Arch, Gemma3ForCausalLM
@@ -155,6 +156,8 @@ class ModelRunner:
                               and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
                               and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
                               and kernels.paged_decode_attention() is not None)
+        self.prefill_kernel = (self.decode_kernel and self.dtype == torch.bfloat16
+                               and kernels.prefill_supported(arch.head_dim, block_size))
         self.block_size = block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         state_shapes = getattr(arch, "layer_state_shapes", None)  # models with recurrent-state layers
@@ -284,7 +287,7 @@ class ModelRunner:
             # Planning annotates the sequences, so each view of a group gets its own copies.
             group_seqs = [replace(x) for x in seqs[g]] if g in self._shared_groups else seqs[g]
             meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window,
-                                     decode_kernel=self.decode_kernel)
+                                     decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
             metas.append(meta)
             if self.batch_invariant:
                 meta.batch_invariant = True
@@ -294,6 +297,7 @@ class ModelRunner:
                 plan_cascades(meta, bs)
                 self.num_cascade_steps += bool(meta.groups) and g == 0
             plan_decode_batch(meta, bs)
+            plan_prefill_batch(meta)
             twin = masks_by_window.get(window) if window is not None else None
             if twin is None:
                 plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)

@@ -22,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+HERE = Path(__file__).parent
+SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp"]
+HEADERS = [HERE / "common.h"]
 # -march=native: the library is built on the machine that runs it (the build dir is keyed by its CPU).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-fopenmp"]
@@ -44,7 +46,7 @@ def build_dir() -> Path:
     from kvpool.runner.model_files import cache_dir
 
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -71,16 +73,31 @@ def build(verbose: bool = False) -> Path:
 
 
 @functools.cache
-def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
-    """The compiled op, or None when disabled (KVPOOL_KERNELS=0) or not buildable here."""
+def _library() -> bool:
+    """Whether the compiled library is loaded (built first if need be)."""
     if os.environ.get("KVPOOL_KERNELS", "1") == "0":
-        return None
+        return False
     try:
         build()
     except Exception as e:  # a missing compiler or ninja must not stop the engine: torch computes the same
         lines = str(e).strip().splitlines()
-        log.warning("kvpool's CPU kernels are unavailable (%s); decoding runs on the torch path",
+        log.warning("kvpool's CPU kernels are unavailable (%s); attention runs on the torch path",
                     lines[-1] if lines else type(e).__name__)
-        return None
-    return torch.ops.kvpool.paged_decode_attention
+        return False
+    return True
 
+
+def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
+    """The compiled decode op, or None when disabled (KVPOOL_KERNELS=0) or not buildable here."""
+    return torch.ops.kvpool.paged_decode_attention if _library() else None
+
+
+def paged_prefill_attention() -> Callable[..., torch.Tensor] | None:
+    """The compiled prefill op (bf16 only; see `prefill_supported`), or None as above."""
+    return torch.ops.kvpool.paged_prefill_attention if _library() else None
+
+
+def prefill_supported(head_dim: int, block_size: int) -> bool:
+    """Whether this CPU and these shapes suit the prefill kernel (AVX-512 BF16, head_dim 64/128, blocks
+    a multiple of 16 tokens)."""
+    return _library() and bool(torch.ops.kvpool.prefill_supported(head_dim, block_size))

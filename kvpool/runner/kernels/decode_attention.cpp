@@ -12,47 +12,16 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define KVPOOL_AVX512_BF16 1
-#endif
+
+#include "common.h"
 
 namespace {
+
+using namespace kvpool_kernels;
 
 constexpr int64_t kMaxGroup = 16;   // query heads per kv head
 constexpr int64_t kMaxDim = 256;    // head_dim
 constexpr int64_t kMaxBlock = 256;  // tokens per block
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// exp(x) for x <= 0 (scores minus their running maximum), in a form the compiler vectorizes: no libm
-// call. 2^n from the exponent bits times a degree-6 polynomial on [-ln2/2, ln2/2]: relative error
-// about 2e-7, below fp32 rounding of the softmax sums it feeds.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this exp underflows fp32 anyway; keeps 2^n a normal number
-  const float n = __builtin_floorf(x * kLog2e + 0.5f);
-  const float y = x - n * kLn2;
-  float p = 1.0f / 720.0f;
-  p = p * y + 1.0f / 120.0f;
-  p = p * y + 1.0f / 24.0f;
-  p = p * y + 1.0f / 6.0f;
-  p = p * y + 0.5f;
-  p = p * y + 1.0f;
-  p = p * y + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 #ifdef KVPOOL_AVX512_BF16
 // Sixteen vectors of partial sums -> one vector holding their sixteen totals, in order: a transpose
 // folded into the additions, so no horizontal sum runs per key.

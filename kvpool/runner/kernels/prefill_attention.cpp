@@ -1,0 +1,242 @@
+// Paged attention for chunks of several queries (prefill), bf16 on CPUs with AVX-512 BF16: flash
+// attention whose keys and values are read in place through each sequence's block table, causal
+// (and sliding-window) masks computed from positions, no bias tensor, no gather, no cascade split.
+//
+// A task is (sequence, kv head, a tile of query positions); its rows are the tile's positions times
+// the kv head's query heads, so every key and value loaded serves all of them. Keys come 16 at a time:
+// repacked into pairs along head_dim (keys) or along tokens (values), both products run on the bf16
+// dot-product instruction (exact products, fp32 sums), with an online softmax in fp32 between them.
+// Probabilities are rounded to bf16 for the value product, as PyTorch's CPU flash kernel does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using namespace kvpool_kernels;
+using Bf16 = c10::BFloat16;
+
+constexpr int64_t kMaxRows = 64;  // rows (query position x head of the group) of one task
+constexpr int64_t kRowBlock = 8;  // rows whose scores are computed together against one key tile
+
+struct Task {
+  int64_t seq, head, first, count;  // queries [first, first + count) of the sequence
+  int64_t cost;
+};
+
+struct Seq {
+  int64_t q_start, q_len, ctx;  // rows of the step; keys in the cache, the queries' own included
+  const int64_t* table;
+};
+
+#ifdef KVPOOL_AVX512_BF16
+
+// One task. q, out: the step's (T, heads, DIM) tensors; k, v: the kv head's (blocks, block_size, DIM)
+// pages with strides s_block, s_token.
+template <int64_t DIM>
+void prefill_task(const Bf16* q, Bf16* out, int64_t heads, const Bf16* k, const Bf16* v, int64_t s_block,
+                  int64_t s_token, int64_t block_size, const Seq& s, const Task& task, int64_t group,
+                  int64_t window, float scale) {
+  constexpr int64_t kPairs = DIM / 2;  // int32 pairs of bf16 along head_dim
+  constexpr int64_t kChunks = DIM / 16;
+  const int64_t rows = task.count * group;
+  const int64_t rows_padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t pos0 = s.ctx - s.q_len + task.first;  // position of the tile's first query
+  const int64_t pos_end = pos0 + task.count;           // keys at or after this are seen by no row
+  const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+
+  const int32_t* qrow[kMaxRows];
+  int32_t qpos[kMaxRows];
+  int32_t qlow[kMaxRows];
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    const int64_t rr = std::min(r, rows - 1);  // padding rows repeat the last row; their results are dropped
+    const int64_t qi = rr / group, g = rr % group;
+    qrow[r] = reinterpret_cast<const int32_t*>(q + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM);
+    qpos[r] = static_cast<int32_t>(pos0 + qi);
+    qlow[r] = window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, pos0 + qi - window + 1)) : 0;
+  }
+  alignas(64) float acc[kMaxRows][DIM];
+  float m[kMaxRows], l[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < DIM; ++d) acc[r][d] = 0.0f;
+    m[r] = -1e30f;
+    l[r] = 0.0f;
+  }
+  alignas(64) int32_t kp[kPairs][16];  // kp[p][t]: key t's elements 2p, 2p+1
+  alignas(64) int32_t vp[8][DIM];      // vp[j][d]: element d of keys 2j, 2j+1
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+
+  for (int64_t t0 = key_lo - key_lo % 16; t0 < pos_end; t0 += 16) {
+    const int64_t block = s.table[t0 / block_size];
+    const int64_t off = t0 % block_size;
+    // Keys of this tile that any row may see; the others (before the window, past the context) are
+    // zeroed so that garbage in unused slots (even NaN) cannot reach a sum.
+    const int64_t lo = std::max<int64_t>(key_lo - t0, 0), hi = std::min<int64_t>(pos_end - t0, 16);
+    const Bf16* kb = k + block * s_block + off * s_token;
+    const Bf16* vb = v + block * s_block + off * s_token;
+    for (int64_t t = 0; t < 16; ++t) {
+      const int32_t* kr = reinterpret_cast<const int32_t*>(kb + t * s_token);
+      const bool live = t >= lo && t < hi;
+      for (int64_t p = 0; p < kPairs; ++p) kp[p][t] = live ? kr[p] : 0;
+    }
+    for (int64_t j = 0; j < 8; ++j) {
+      const uint16_t* a = reinterpret_cast<const uint16_t*>(vb + 2 * j * s_token);
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(vb + (2 * j + 1) * s_token);
+      const bool live_a = 2 * j >= lo && 2 * j < hi, live_b = 2 * j + 1 >= lo && 2 * j + 1 < hi;
+      for (int64_t d = 0; d < DIM; ++d) {
+        vp[j][d] = static_cast<int32_t>((live_a ? a[d] : 0u) | (live_b ? static_cast<uint32_t>(b[d]) << 16 : 0u));
+      }
+    }
+    const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0)), lane);
+
+    for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
+      __m512 sc[kRowBlock];
+      for (int64_t i = 0; i < kRowBlock; ++i) sc[i] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < kPairs; ++p) {
+        const __m512bh kv = (__m512bh)_mm512_load_si512(kp[p]);
+        for (int64_t i = 0; i < kRowBlock; ++i) {
+          sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(qrow[r0 + i][p]), kv);
+        }
+      }
+      const int64_t live_rows = std::min<int64_t>(kRowBlock, rows - r0);
+      for (int64_t i = 0; i < live_rows; ++i) {
+        const int64_t r = r0 + i;
+        const __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(qpos[r])) &
+                              _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(qlow[r]));
+        if (!vis) continue;
+        const __m512 x = _mm512_mask_blend_ps(vis, neg_inf, _mm512_mul_ps(sc[i], vscale));
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(x));
+        const float alpha = exp_nonpositive(m[r] - m_new);
+        const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
+        l[r] = l[r] * alpha + _mm512_reduce_add_ps(pr);
+        m[r] = m_new;
+        alignas(32) int32_t pairs[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pr));
+        __m512 o[kChunks];
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), va);
+        for (int64_t j = 0; j < 8; ++j) {
+          const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
+          for (int64_t c = 0; c < kChunks; ++c) {
+            o[c] = _mm512_dpbf16_ps(o[c], pj, (__m512bh)_mm512_load_si512(vp[j] + 16 * c));
+          }
+        }
+        for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(acc[r] + 16 * c, o[c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t qi = r / group, g = r % group;
+    Bf16* o = out + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM;
+    const float inv = 1.0f / l[r];  // every query sees at least itself
+    for (int64_t d = 0; d < DIM; ++d) o[d] = static_cast<Bf16>(acc[r][d] * inv);
+  }
+}
+
+#endif
+
+bool prefill_supported(int64_t dim, int64_t block_size) {
+#ifdef KVPOOL_AVX512_BF16
+  return (dim == 64 || dim == 128) && block_size % 16 == 0;
+#else
+  (void)dim;
+  (void)block_size;
+  return false;
+#endif
+}
+
+// q: (T, heads, D) bf16; k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
+// row in q, its number of queries, its context length (queries included) and its block table (a row of
+// `tables`, (S, W) int64). window > 0: each query sees that many most recent positions, itself included.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens,
+                                   const at::Tensor& tables, int64_t window, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
+              "q must be a contiguous bfloat16 (T, heads, head_dim) tensor");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous and shaped and typed like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "k_cache and v_cache must share one bfloat16 (kv_heads, blocks, block_size, head_dim) layout");
+  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  const int64_t n_tok = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxRows, "heads / kv_heads must be a whole number <= ",
+              kMaxRows);
+  TORCH_CHECK(prefill_supported(dim, block_size),
+              "paged_prefill_attention: needs AVX-512 BF16, head_dim 64 or 128 and block_size a multiple of 16");
+  for (const auto* t : {&q_starts, &q_lens, &ctx_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == tables.size(0),
+                "q_starts, q_lens and ctx_lens must be contiguous int64 (S,) tensors, one entry per table row");
+  }
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(),
+              "tables must be a contiguous int64 (S, W) tensor");
+  const int64_t n_seq = tables.size(0), width = tables.size(1), group = heads / kv_heads;
+  const int64_t* qs = q_starts.const_data_ptr<int64_t>();
+  const int64_t* ql = q_lens.const_data_ptr<int64_t>();
+  const int64_t* cl = ctx_lens.const_data_ptr<int64_t>();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  std::vector<Seq> seqs;
+  std::vector<Task> tasks;
+  const int64_t tile = std::max<int64_t>(1, kMaxRows / group);
+  for (int64_t i = 0; i < n_seq; ++i) {
+    TORCH_CHECK(ql[i] >= 1 && qs[i] >= 0 && qs[i] + ql[i] <= n_tok, "sequence ", i, ": rows [", qs[i], ", ",
+                qs[i] + ql[i], ") are not in q's ", n_tok, " rows");
+    TORCH_CHECK(ql[i] <= cl[i] && cl[i] <= width * block_size, "sequence ", i, ": ", ql[i], " queries and ", cl[i],
+                " keys do not fit its ", width, " blocks");
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, cl[i] - ql[i] - window + 1) : 0;
+    for (int64_t j = first_key / block_size; j <= (cl[i] - 1) / block_size; ++j) {
+      TORCH_CHECK(0 <= tp[i * width + j] && tp[i * width + j] < blocks, "sequence ", i, ": block id ",
+                  tp[i * width + j], " is outside the cache's ", blocks, " blocks");
+    }
+    seqs.push_back({qs[i], ql[i], cl[i], tp + i * width});
+    for (int64_t f = 0; f < ql[i]; f += tile) {
+      const int64_t n = std::min(tile, ql[i] - f);
+      const int64_t end = cl[i] - ql[i] + f + n;
+      const int64_t keys = window > 0 ? std::min(end, window + n) : end;
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({i, h, f, n, keys * n});
+    }
+  }
+  // Longest first, handed out one at a time: causal tiles differ widely in cost.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+#ifdef KVPOOL_AVX512_BF16
+  const Bf16* qp = q.const_data_ptr<Bf16>();
+  Bf16* op = out.mutable_data_ptr<Bf16>();
+  const Bf16* kp = k_cache.const_data_ptr<Bf16>();
+  const Bf16* vp = v_cache.const_data_ptr<Bf16>();
+  const int64_t s_head = k_cache.stride(0), s_block = k_cache.stride(1), s_token = k_cache.stride(2);
+  const auto n_tasks = static_cast<int64_t>(tasks.size());
+  const float sc = static_cast<float>(scale);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < n_tasks; ++i) {
+    const Task& t = tasks[i];
+    auto* fn = dim == 64 ? &prefill_task<64> : &prefill_task<128>;
+    fn(qp, op, heads, kp + t.head * s_head, vp + t.head * s_head, s_block, s_token, block_size, seqs[t.seq], t,
+       group, window, sc);
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvpool, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_starts, Tensor q_lens, "
+        "Tensor ctx_lens, Tensor tables, int window, float scale, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+  m.def("prefill_supported(int head_dim, int block_size) -> bool", [](int64_t d, int64_t b) {
+    return prefill_supported(d, b);
+  });
+}

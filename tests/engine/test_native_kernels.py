@@ -1,0 +1,56 @@
+"""SmolLM2 in bf16 (the CPU default) with kvpool's compiled attention kernels on and off: the kernels
+really run, and the greedy texts agree except where the true (fp32) next-token logits are a near-tie.
+
+Exactness is proven elsewhere: fp32 greedy tokens equal transformers' with the decode kernel on
+(test_reference, test_consistency), and each kernel matches a float64 reference (tests/runner). In bf16
+two correct attention kernels round differently (bf16 logits near 25 are spaced 0.125 apart), so a
+near-tie may go either way; a wrong mask or a misread block would diverge where the choice is clear.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner import kernels
+
+SYSTEM = ("You are a careful assistant. Answer in one short paragraph, plainly, without lists. "
+          "If you do not know, say so. ") * 6  # ~130 tokens shared by every prompt: prefix hits
+QUESTIONS = ["What is a KV cache?", "Why is the sky blue?", "Name three prime numbers.", "What does a compiler do?",
+             "How do bees make honey?", "Explain gravity to a child.", "What is the capital of Peru?",
+             "Write a haiku about rain."]
+NEAR_TIE = 0.25  # fp32 logit gap between the two tokens the runs chose
+
+
+def test_bf16_kernels_on_and_off_differ_only_at_near_ties(smol_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    texts = {}
+    for native in (True, False):
+        llm = LLM(str(smol_dir), dtype="bfloat16", kv_cache_memory="64MiB", native_kernels=native,
+                  max_num_batched_tokens=256)  # chunked: later chunks attend to cached context
+        runner = llm.engine.runner
+        assert runner.decode_kernel is native
+        assert runner.prefill_kernel is (native and kernels.prefill_supported(64, 16))
+        prompts = [llm.engine.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                   {"role": "user", "content": q}]) for q in QUESTIONS]
+        outs = llm.generate(prompts, SamplingParams.greedy(24), use_tqdm=False)
+        assert sum(o.num_cached_tokens for o in outs) > 0
+        llm.engine.kv.check_integrity()
+        texts[native] = [o.token_ids for o in outs]
+    model = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32)
+    identical = 0
+    for prompt, on, off in zip(prompts, texts[True], texts[False], strict=True):
+        i = next((i for i, (a, b) in enumerate(zip(on, off, strict=False)) if a != b), None)
+        if i is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + on[:i]])).logits[0, -1]
+        gap = abs(float(logits[on[i]] - logits[off[i]]))
+        assert gap < NEAR_TIE, f"token {i}: {on[i]} vs {off[i]}, fp32 logits {gap:.3f} apart: not a near-tie"
+        assert float(logits.max() - logits[on[i]]) < NEAR_TIE  # and the kernels' pick is itself a top choice
+    assert identical >= len(QUESTIONS) // 4

@@ -1,0 +1,119 @@
+"""The compiled paged prefill (flash) kernel against a float64 reference, and its refusals of bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.runner import kernels
+
+
+@pytest.fixture(scope="module")
+def op():
+    assert kernels.paged_prefill_attention() is not None, "the kernels must build on this machine"
+    if not kernels.prefill_supported(64, 16):
+        pytest.skip("this CPU has no AVX-512 BF16: the prefill kernel is not used here")
+    return kernels.paged_prefill_attention()
+
+
+def reference(q, kc, vc, seqs, tables, window, scale):
+    """Dense causal (windowed) attention per sequence in float64, over the cache read through its table."""
+    hkv, _, _, d = kc.shape
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    for (start, n, ctx), table in zip(seqs, tables, strict=True):
+        k = kc[:, table].reshape(hkv, -1, d)[:, :ctx].double()
+        v = vc[:, table].reshape(hkv, -1, d)[:, :ctx].double()
+        qq = q[start:start + n].double().view(n, hkv, -1, d).permute(1, 2, 0, 3)  # (hkv, g, n, d)
+        s = torch.einsum("hgnd,hld->hgnl", qq, k) * scale
+        qpos = torch.arange(ctx - n, ctx)[:, None]
+        kpos = torch.arange(ctx)[None, :]
+        hidden = kpos > qpos
+        if window:
+            hidden |= kpos <= qpos - window
+        s = s.masked_fill(hidden, float("-inf"))
+        # Keys outside every query's view may hold NaN (unused slots, released blocks): never read them.
+        o = torch.einsum("hgnl,hld->hgnd", torch.softmax(s, -1), torch.nan_to_num(v))
+        out[start:start + n] = o.permute(2, 0, 1, 3).reshape(n, -1, d)
+    return out
+
+
+def scenario(seqs, heads=9, kv_heads=3, dim=64, bs=16, window=0, block_major=False, seed=0):
+    """seqs: (number of queries, context length) each; their rows follow one another in q. Every block a
+    sequence does not read (unused slots after its context; blocks wholly before its window, left as
+    the null block 0) holds NaN."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-ctx // bs) for _, ctx in seqs]
+    nb = 1 + sum(widths)
+    shape = (nb, kv_heads, bs, dim) if block_major else (kv_heads, nb, bs, dim)
+    kc = torch.randn(shape, generator=g).to(torch.bfloat16)
+    vc = torch.randn(shape, generator=g).to(torch.bfloat16)
+    if block_major:
+        kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)
+    perm = (1 + torch.randperm(nb - 1, generator=g)).tolist()
+    tables, rows, start = [], [], 0
+    for (n, ctx), w in zip(seqs, widths, strict=True):
+        t = [perm.pop() for _ in range(w)]
+        if window:
+            first_seen = max(0, ctx - n - window + 1) // bs
+            t[:first_seen] = [0] * first_seen
+        last = t[-1]
+        kc[:, last, ctx - (w - 1) * bs:] = float("nan")
+        vc[:, last, ctx - (w - 1) * bs:] = float("nan")
+        tables.append(t)
+        rows.append((start, n, ctx))
+        start += n
+    kc[:, 0] = float("nan")
+    vc[:, 0] = float("nan")
+    q = torch.randn(start, heads, dim, generator=g).to(torch.bfloat16)
+    width = max(widths)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    args = [torch.tensor([r[i] for r in rows]) for i in range(3)]
+    return q, kc, vc, rows, tables, args, padded
+
+
+CASES = {
+    "fresh prompt": dict(seqs=[(50, 50)]),
+    "chunk after cached context": dict(seqs=[(37, 100)]),
+    "several sequences, tiles of one and many queries": dict(seqs=[(2, 40), (70, 70), (21, 333), (5, 16)]),
+    "sliding window, released blocks before it": dict(seqs=[(40, 90), (30, 30), (3, 77)], window=24),
+    "head_dim 128, blocks of 32, group of 8": dict(seqs=[(33, 80), (64, 64)], heads=16, kv_heads=2, dim=128, bs=32),
+    "no GQA": dict(seqs=[(19, 50)], heads=4, kv_heads=4),
+    "block-major pages": dict(seqs=[(30, 61), (9, 9)], block_major=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference(op, case: str) -> None:
+    kw = CASES[case]
+    q, kc, vc, rows, tables, args, padded = scenario(**kw)
+    scale = q.shape[-1] ** -0.5
+    out = torch.full_like(q, float("nan"))
+    op(q, kc, vc, *args, padded, kw.get("window", 0), scale, out)
+    ref = reference(q, kc, vc, rows, tables, kw.get("window", 0), scale)
+    assert not out.isnan().any()
+    # bf16 output and bf16 probabilities in the value product (as PyTorch's CPU flash kernel rounds them).
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    assert (out.double() - ref).abs().mean() < 2e-3
+
+
+def test_rows_of_other_sequences_untouched(op) -> None:
+    q, kc, vc, _, _, args, padded = scenario([(10, 30), (6, 6)])
+    out = torch.full_like(q, 7.0)
+    # Only the second sequence: rows 10..15.
+    op(q, kc, vc, *(a[1:] for a in args), padded[1:], 0, 0.125, out)
+    assert (out[:10] == 7.0).all() and not (out[10:] == 7.0).any()
+
+
+def test_refuses_bad_input(op) -> None:
+    q, kc, vc, _, _, (starts, lens, ctx), tables = scenario([(10, 30)])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(q.float(), kc, vc, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q.float()))
+    with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
+        op(q, kc, vc, starts, lens, ctx, torch.tensor([[int(tables[0, 0]), 99]]), 0, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match=r"rows \[5, 15\) are not in q's 10 rows"):
+        op(q, kc, vc, torch.tensor([5]), lens, ctx, tables, 0, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="10 queries and 40 keys do not fit its 2 blocks"):
+        op(q, kc, vc, starts, lens, torch.tensor([40]), tables, 0, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="block_size a multiple of 16"):
+        small = kc.view(kc.shape[0], -1, 8, kc.shape[-1])
+        op(q, small, small, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
