@@ -25,7 +25,7 @@ namespace {
 using namespace kvpool_kernels;
 using Bf16 = c10::BFloat16;
 
-constexpr int64_t kMaxRows = 64;  // rows (query position x head of the group) of one task
+constexpr int64_t kMaxRows = 96;  // rows (query position x head of the group) of one task
 constexpr int64_t kRowBlock = 8;  // rows whose scores are computed together against one key tile
 
 struct Task {
@@ -116,16 +116,20 @@ void prefill_task(const Bf16* q, Bf16* out, int64_t heads, const Bf16* k, const 
                               _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(qlow[r]));
         if (!vis) continue;
         const __m512 x = _mm512_mask_blend_ps(vis, neg_inf, _mm512_mul_ps(sc[i], vscale));
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(x));
-        const float alpha = exp_nonpositive(m[r] - m_new);
-        const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
-        l[r] = l[r] * alpha + _mm512_reduce_add_ps(pr);
-        m[r] = m_new;
+        const float m_tile = _mm512_reduce_max_ps(x);
+        __m512 o[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_load_ps(acc[r] + 16 * c);
+        if (m_tile > m[r]) {  // the running maximum moved: rescale what was summed under the old one
+          const float alpha = exp_nonpositive(m[r] - m_tile);
+          const __m512 va = _mm512_set1_ps(alpha);
+          for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_mul_ps(o[c], va);
+          l[r] *= alpha;
+          m[r] = m_tile;
+        }
+        const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
+        l[r] += _mm512_reduce_add_ps(pr);
         alignas(32) int32_t pairs[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pr));
-        __m512 o[kChunks];
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), va);
         for (int64_t j = 0; j < 8; ++j) {
           const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
           for (int64_t c = 0; c < kChunks; ++c) {
