@@ -112,6 +112,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused: Any = None  # torch.ops.kvpool when the runner turns kvpool's compiled kernels on
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) in fp32, as transformers computes it whatever the model dtype."""
@@ -119,6 +120,8 @@ class RMSNorm(nn.Module):
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == self.weight.dtype == torch.bfloat16 and x.is_contiguous():
+            return self.fused.rms_norm(x, self.weight, self.eps, torch.empty_like(x))
         return self.weight * self.normalized(x).to(x.dtype)
 
 
@@ -126,6 +129,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_position: int) -> None:
         super().__init__()
         self.head_dim, self.theta, self.max_position = head_dim, theta, max_position
+        self.fused: Any = None  # as RMSNorm.fused
         self.reset()
 
     def reset(self) -> None:
@@ -139,6 +143,8 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, head_dim), rotated by half (the Hugging Face convention)."""
+        if self.fused is not None and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+            return self.fused.rotary(x, positions, self.cos, self.sin, torch.empty(x.shape, dtype=x.dtype))
         cos = self.cos[positions].to(x.dtype)[:, None, :]
         sin = self.sin[positions].to(x.dtype)[:, None, :]
         x1, x2 = x.chunk(2, dim=-1)
@@ -158,6 +164,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.scale = a.head_dim ** -0.5
+        self.fused: Any = None  # as RMSNorm.fused
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -172,7 +179,11 @@ class DecoderLayer(nn.Module):
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         x = x + self.o_proj(o.reshape(t, self.q_size))
         h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(h)
+        if self.fused is not None and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous():
+            act = self.fused.silu_and_mul(gate_up, gate_up.new_empty(t, gate_up.shape[-1] // 2))
+            return x + self.down_proj(act)
+        gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 

@@ -158,6 +158,12 @@ class ModelRunner:
                               and kernels.paged_decode_attention() is not None)
         self.prefill_kernel = (self.decode_kernel and self.dtype == torch.bfloat16
                                and kernels.prefill_supported(arch.head_dim, block_size))
+        # Fused bf16 norm, rotary and SiLU-and-multiply: modules with a `fused` slot use them when set.
+        self.fused_ops = self.decode_kernel and self.dtype == torch.bfloat16
+        if self.fused_ops:
+            for m in self.model.modules():
+                if hasattr(m, "fused"):
+                    m.fused = kernels.fused_ops()
         self.block_size = block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         state_shapes = getattr(arch, "layer_state_shapes", None)  # models with recurrent-state layers

@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled on first use and cached; the pure-torch paths are the fallback.
 
-`paged_decode_attention` (decode_attention.cpp) reads keys and values in place through block tables.
-It is compiled once per machine and source version with torch's own extension builder into
+Paged decode and prefill attention (decode_attention.cpp, prefill_attention.cpp) read keys and values in
+place through block tables; elementwise.cpp fuses the bf16 norm, rotary and SiLU-and-multiply.
+The library is compiled once per machine and source version with torch's own extension builder into
 `<kvpool cache>/kernels/` (`kvpool build-kernels` or `scripts/install.sh` do it ahead of time), then
-loaded as a torch op. Set KVPOOL_KERNELS=0 to run without it; if the build fails (no C++ compiler),
+loaded as torch ops. Set KVPOOL_KERNELS=0 to run without it; if the build fails (no C++ compiler),
 kvpool logs why once and keeps to torch.
 """
 
@@ -17,13 +18,14 @@ import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp"]
+SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp", HERE / "elementwise.cpp"]
 HEADERS = [HERE / "common.h"]
 # -march=native: the library is built on the machine that runs it (the build dir is keyed by its CPU).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
@@ -95,6 +97,12 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
 def paged_prefill_attention() -> Callable[..., torch.Tensor] | None:
     """The compiled prefill op (bf16 only; see `prefill_supported`), or None as above."""
     return torch.ops.kvpool.paged_prefill_attention if _library() else None
+
+
+def fused_ops() -> Any:
+    """torch.ops.kvpool, whose rms_norm, silu_and_mul and rotary are fused bf16 versions of
+    kvpool.runner.llama's ops (elementwise.cpp), or None as above."""
+    return torch.ops.kvpool if _library() else None
 
 
 def prefill_supported(head_dim: int, block_size: int) -> bool:

@@ -1,0 +1,127 @@
+// Fused bf16 element-wise ops of a Llama layer: RMSNorm, SiLU-and-multiply, rotary embedding. Each
+// replaces several PyTorch ops (and their passes over memory) with one, and rounds to bf16 exactly where
+// the unfused torch code does (after each op), so results match it up to the last bit of an exp or a
+// sum order. Rows are spread over torch's threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+
+namespace {
+
+using namespace kvpool_kernels;
+using Bf16 = c10::BFloat16;
+
+inline float round_bf16(float x) { return static_cast<float>(static_cast<Bf16>(x)); }
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name, " must be a contiguous bfloat16 tensor");
+}
+
+// weight * (x / rms(x)): the normalization in fp32, rounded to bf16, then the bf16 product, as
+// kvpool.runner.llama.RMSNorm (and transformers' LlamaRMSNorm) compute it.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  check_bf16(out, "out");
+  const int64_t h = weight.numel();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == h && out.sizes() == x.sizes(), "x and out must be (..., ", h, ")");
+  const Bf16* xp = x.const_data_ptr<Bf16>();
+  const Bf16* wp = weight.const_data_ptr<Bf16>();
+  Bf16* op = out.mutable_data_ptr<Bf16>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, x.numel() / h, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Bf16* xr = xp + r * h;
+      float ss = 0.0f;
+      for (int64_t i = 0; i < h; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + e);
+      for (int64_t i = 0; i < h; ++i) op[r * h + i] = static_cast<Bf16>(to_float(wp[i]) * round_bf16(to_float(xr[i]) * inv));
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up for gate_up = [gate | up] along the last dimension; silu rounded to bf16 first, as
+// F.silu(gate) * up does.
+at::Tensor silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
+  check_bf16(gate_up, "gate_up");
+  check_bf16(out, "out");
+  const int64_t n = out.size(-1);
+  TORCH_CHECK(gate_up.size(-1) == 2 * n && gate_up.numel() == 2 * out.numel(), "gate_up must be out's rows, twice as wide");
+  const Bf16* gp = gate_up.const_data_ptr<Bf16>();
+  Bf16* op = out.mutable_data_ptr<Bf16>();
+  at::parallel_for(0, out.numel() / n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Bf16* g = gp + r * 2 * n;
+      const Bf16* u = g + n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = to_float(g[i]);
+        const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|) never overflows
+        const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        op[r * n + i] = static_cast<Bf16>(round_bf16(x * sig) * to_float(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// Rotary embedding by halves (the Hugging Face convention) of x: (T, heads, D) with any token and head
+// strides, D contiguous; cos, sin: (max_position, D / 2) fp32 tables. Each product and sum is rounded to
+// bf16 as the unfused x1 * cos - x2 * sin (with cos, sin first cast to bf16) rounds it.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                  at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1,
+              "x must be a bfloat16 (T, heads, head_dim) tensor with head_dim contiguous");
+  check_bf16(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must be shaped like x");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be a contiguous int64 (T,) tensor");
+  const int64_t t_n = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(d % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "cos and sin must be contiguous float32 (max_position, head_dim / 2) tables");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_n; ++t) {
+    TORCH_CHECK(0 <= pos[t] && pos[t] < cos.size(0), "position ", pos[t], " is outside the rotary table's ",
+                cos.size(0), " positions");
+  }
+  const Bf16* xp = x.const_data_ptr<Bf16>();
+  Bf16* op = out.mutable_data_ptr<Bf16>();
+  const float* cp = cos.const_data_ptr<float>();
+  const float* sp = sin.const_data_ptr<float>();
+  const int64_t s_tok = x.stride(0), s_head = x.stride(1);
+  at::parallel_for(0, t_n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = cp + pos[t] * half;
+      const float* st = sp + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const Bf16* xr = xp + t * s_tok + h * s_head;
+        Bf16* o = op + (t * heads + h) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = round_bf16(ct[i]), s = round_bf16(st[i]);
+          const float x1 = to_float(xr[i]), x2 = to_float(xr[i + half]);
+          o[i] = static_cast<Bf16>(round_bf16(x1 * c) - round_bf16(x2 * s));
+          o[i + half] = static_cast<Bf16>(round_bf16(x2 * c) + round_bf16(x1 * s));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvpool, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("rotary", c10::DispatchKey::CPU, &rotary);
+}

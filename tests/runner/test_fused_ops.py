@@ -1,0 +1,70 @@
+"""The fused bf16 ops (RMSNorm, SiLU-and-multiply, rotary) against the torch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpool.runner import kernels
+from kvpool.runner.llama import RMSNorm, Rotary
+
+
+@pytest.fixture(scope="module")
+def ops():
+    fused = kernels.fused_ops()
+    assert fused is not None, "the kernels must build on this machine"
+    return fused
+
+
+def assert_rounding_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for rare last-bit differences (an exp, a sum order), each at most one bf16 step."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = got.float() - want.float()
+    step = want.float().abs().clamp(min=1e-30) * 2 ** -7
+    assert (diff.abs() <= step).all()
+    assert (diff != 0).float().mean() < 0.02
+
+
+def test_rms_norm(ops) -> None:
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+    x = (3 * torch.randn(37, 576, generator=g)).to(torch.bfloat16)
+    want = norm(x)
+    got = ops.rms_norm(x, norm.weight, 1e-5, torch.empty_like(x))
+    assert_rounding_close(got, want)
+    x3 = x.view(37, 9, 64)  # per-head norms (LFM2's q/k layernorm) see (T, heads, head_dim)
+    norm64 = RMSNorm(64, 1e-5).to(torch.bfloat16)
+    assert_rounding_close(ops.rms_norm(x3, norm64.weight, 1e-5, torch.empty_like(x3)), norm64(x3))
+
+
+def test_silu_and_mul(ops) -> None:
+    g = torch.Generator().manual_seed(1)
+    gate_up = (4 * torch.randn(23, 2 * 1536, generator=g)).to(torch.bfloat16)
+    gate_up[0, :8] = torch.tensor([-100.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, -0.5])  # tails and zero
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = ops.silu_and_mul(gate_up, gate_up.new_empty(23, 1536))
+    assert_rounding_close(got, F.silu(gate) * up)
+
+
+def test_rotary_is_bit_exact(ops) -> None:
+    g = torch.Generator().manual_seed(2)
+    rot = Rotary(64, 10000.0, 4096)
+    qkv = torch.randn(50, 9 * 64 + 2 * 3 * 64, generator=g).to(torch.bfloat16)
+    q = qkv[:, :576].view(50, 9, 64)  # a strided view, as the fused qkv projection yields it
+    positions = torch.randint(0, 4096, (50,), generator=g)
+    got = ops.rotary(q, positions, rot.cos, rot.sin, torch.empty(q.shape, dtype=q.dtype))
+    assert torch.equal(got, rot(q, positions))
+
+
+def test_refuses_bad_input(ops) -> None:
+    rot = Rotary(64, 10000.0, 128)
+    x = torch.randn(4, 2, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="position 128 is outside the rotary table's 128 positions"):
+        ops.rotary(x, torch.tensor([0, 1, 2, 128]), rot.cos, rot.sin, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16 tensor"):
+        ops.rms_norm(x.float(), torch.ones(64, dtype=torch.bfloat16), 1e-5, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="twice as wide"):
+        ops.silu_and_mul(x, torch.empty(4, 2, 64, dtype=torch.bfloat16))
