@@ -10,6 +10,13 @@ are read once for the whole group, instead of once per sequence. Each sequence t
 rest of its context (its suffix) alone, and the two partial results are merged exactly through their
 log-sum-exp. On the shared-prefix workloads prefix caching is for, this removes most of the memory
 traffic of decoding.
+
+Where kvpool's compiled CPU kernels load (kvpool.runner.kernels), they take over: decode rows always,
+multi-token chunks in bf16. They read every key in place through the block table, so the rows they
+serve need no cascade, gather or mask; in bf16, decode rows of sequences sharing a prefix still read
+its keys once for the whole group. The torch code here remains the path for everything else (fp16,
+other head sizes, batch-invariant mode, machines without a compiler) and the reference the kernels
+are tested against.
 """
 
 from __future__ import annotations
@@ -71,6 +78,11 @@ class AttentionMetadata:
     # Decode rows go through the compiled kernel (kvpool.runner.kernels), which reads every key in place
     # and so needs neither cascades nor the padded gather.
     decode_kernel: bool = False
+    # With the prefill kernel too (bf16): the first `decode_grouped` decode rows form groups sharing a prefix
+    # (rows decode_group_starts[i]..[i+1] share their first decode_shared[i] keys), the rest decode alone.
+    decode_grouped: int = 0
+    decode_group_starts: torch.Tensor | None = None
+    decode_shared: torch.Tensor | None = None
     # Multi-token chunks through the compiled flash kernel (bf16): no cascades, masks or gathers for them.
     prefill_kernel: bool = False
     prefill_seqs: list[int] = field(default_factory=list)
@@ -81,6 +93,33 @@ class AttentionMetadata:
     batch_invariant: bool = False
 
 
+def shared_prefix_groups(seqs: list[SeqAttn], candidates: list[int], block_size: int, min_tokens: int
+                         ) -> list[tuple[list[int], int]]:
+    """Sequences (among `candidates`) whose tables start with the same physical blocks, at least
+    `min_tokens` of them and all before every member's first query: (members, shared blocks) each."""
+    by_first: dict[int, list[int]] = {}
+    for i in candidates:
+        s = seqs[i]
+        if s.context_len - s.num_queries >= min_tokens and len(s.block_ids):
+            by_first.setdefault(int(s.block_ids[0]), []).append(i)
+    out = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        tables = [seqs[i].block_ids for i in members]
+        limit = min((seqs[i].context_len - seqs[i].num_queries) // block_size for i in members)
+        limit = min(limit, *(len(t) for t in tables))
+        first = tables[0][:limit]
+        n = limit
+        for t in tables[1:]:
+            diff = (t[:n] != first[:n]).nonzero()
+            if len(diff):
+                n = int(diff[0])
+        if n * block_size >= min_tokens:
+            out.append((members, n))
+    return out
+
+
 def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MIN_CASCADE_TOKENS) -> None:
     """Group sequences sharing leading physical blocks; set each member's `prefix_len`.
 
@@ -89,27 +128,9 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
     """
     if meta.window is not None:
         return
-    by_first: dict[int, list[int]] = {}
-    for i, s in enumerate(meta.seqs):
-        if _kernel_reads(meta, s):
-            continue
-        if s.context_len - s.num_queries >= min_tokens and len(s.block_ids):
-            by_first.setdefault(int(s.block_ids[0]), []).append(i)
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        tables = [meta.seqs[i].block_ids for i in members]
-        # Shared blocks: common to every member, and before every member's first query.
-        limit = min((meta.seqs[i].context_len - meta.seqs[i].num_queries) // block_size for i in members)
-        limit = min(limit, *(len(t) for t in tables))
-        first = tables[0][:limit]
-        n = limit
-        for t in tables[1:]:
-            diff = (t[:n] != first[:n]).nonzero()
-            if len(diff):
-                n = int(diff[0])
-        if n * block_size < min_tokens:
-            continue
+    candidates = [i for i, s in enumerate(meta.seqs) if not _kernel_reads(meta, s)]
+    for members, n in shared_prefix_groups(meta.seqs, candidates, block_size, min_tokens):
+        first = meta.seqs[members[0]].block_ids
         for i in members:
             meta.seqs[i].prefix_len = n * block_size
             meta.seqs[i].first_block = n
@@ -136,6 +157,19 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
     if not idx:
         return
     dev = meta.slot_mapping.device
+    if meta.decode_kernel and meta.prefill_kernel and meta.window is None:
+        # bf16: sequences sharing a prefix decode together, their shared keys read once for all
+        # (kvpool::paged_decode_grouped); they come first in the batch, group after group.
+        groups = shared_prefix_groups(meta.seqs, idx, block_size, MIN_CASCADE_TOKENS)
+        grouped = [i for members, _ in groups for i in members]
+        in_group = set(grouped)
+        idx = grouped + [i for i in idx if i not in in_group]
+        meta.decode_grouped = len(grouped)
+        starts = [0]
+        for members, _ in groups:
+            starts.append(starts[-1] + len(members))
+        meta.decode_group_starts = torch.tensor(starts, dtype=torch.long, device=dev)
+        meta.decode_shared = torch.tensor([n * block_size for _, n in groups], dtype=torch.long, device=dev)
     tables = []
     lens = []
     lows = []
@@ -296,10 +330,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.decode_seqs and meta.decode_kernel:
         op = kernels.paged_decode_attention()
         assert op is not None, "decode_kernel is set only when the kernel loaded"
-        rows = meta.decode_rows
+        rows, tables, lows, lens = meta.decode_rows, meta.decode_tables, meta.decode_lows, meta.decode_lens
+        assert rows is not None and tables is not None and lows is not None and lens is not None
         qd = q[rows]
-        out[rows] = op(qd, k_cache, v_cache, meta.decode_tables, meta.decode_lows, meta.decode_lens, scale,
-                       torch.empty_like(qd))
+        od = torch.empty_like(qd)
+        n = meta.decode_grouped
+        if n:
+            torch.ops.kvpool.paged_decode_grouped(qd[:n], k_cache, v_cache, tables[:n], lens[:n],
+                                                  meta.decode_group_starts, meta.decode_shared, scale, od[:n])
+        if n < len(qd):
+            op(qd[n:], k_cache, v_cache, tables[n:], lows[n:], lens[n:], scale, od[n:])
+        out[rows] = od
     elif meta.decode_seqs:
         o, l_ = _decode_suffix(q, k_cache, v_cache, meta, scale)
         rows = meta.decode_rows

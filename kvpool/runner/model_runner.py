@@ -208,6 +208,7 @@ class ModelRunner:
             self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
         self.num_tokens_computed = 0
         self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
+        self.num_grouped_decode_steps = 0  # steps whose decode kernel read a shared prefix once for a group
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
@@ -303,6 +304,7 @@ class ModelRunner:
                 plan_cascades(meta, bs)
                 self.num_cascade_steps += bool(meta.groups) and g == 0
             plan_decode_batch(meta, bs)
+            self.num_grouped_decode_steps += bool(meta.decode_grouped) and g == 0
             plan_prefill_batch(meta)
             twin = masks_by_window.get(window) if window is not None else None
             if twin is None:

@@ -39,6 +39,8 @@ def test_bf16_kernels_on_and_off_differ_only_at_near_ties(smol_dir: Path) -> Non
                                                    {"role": "user", "content": q}]) for q in QUESTIONS]
         outs = llm.generate(prompts, SamplingParams.greedy(24), use_tqdm=False)
         assert sum(o.num_cached_tokens for o in outs) > 0
+        # bf16 with both kernels: the decode rows of prompts sharing the system prompt decode as groups.
+        assert (runner.num_grouped_decode_steps > 0) is runner.prefill_kernel
         llm.engine.kv.check_integrity()
         texts[native] = [o.token_ids for o in outs]
     model = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32)

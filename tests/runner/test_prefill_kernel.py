@@ -117,3 +117,56 @@ def test_refuses_bad_input(op) -> None:
     with pytest.raises(RuntimeError, match="block_size a multiple of 16"):
         small = kc.view(kc.shape[0], -1, 8, kc.shape[-1])
         op(q, small, small, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
+
+
+def grouped_scenario(groups, heads=9, kv_heads=3, dim=64, bs=16, seed=3):
+    """groups: (shared blocks, [context lengths]) each; members share their first blocks physically."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [n for _, ns in groups for n in ns]
+    width = max(-(-n // bs) for n in lens)
+    nb = 1 + width * len(lens) + sum(sh for sh, _ in groups)
+    kc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
+    free = (1 + torch.randperm(nb - 1, generator=g)).tolist()
+    tables, starts, shared = [], [0], []
+    for sh, ns in groups:
+        common = [free.pop() for _ in range(sh)]
+        for n in ns:
+            own = [free.pop() for _ in range(-(-n // bs) - sh)]
+            tables.append(common + own + [0] * (width - sh - len(own)))
+            kc[:, tables[-1][(n - 1) // bs], (n - 1) % bs + 1:] = float("nan")  # unused slots
+            vc[:, tables[-1][(n - 1) // bs], (n - 1) % bs + 1:] = float("nan")
+        starts.append(starts[-1] + len(ns))
+        shared.append(sh * bs)
+    kc[:, 0] = float("nan")
+    vc[:, 0] = float("nan")
+    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+    return q, kc, vc, torch.tensor(tables), torch.tensor(lens), torch.tensor(starts), torch.tensor(shared)
+
+
+def test_grouped_decode_matches_reference(op) -> None:
+    # Groups of 3, 1 (nothing shared) and 40 (more rows than one task holds: split across tasks).
+    q, kc, vc, tables, lens, starts, shared = grouped_scenario(
+        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])])
+    out = torch.full_like(q, float("nan"))
+    torch.ops.kvpool.paged_decode_grouped(q, kc, vc, tables, lens, starts, shared, 0.125, out)
+    rows = [(b, 1, int(n)) for b, n in enumerate(lens)]
+    ref = reference(q, kc, vc, rows, [t[: -(-int(n) // 16)].tolist() for t, n in zip(tables, lens, strict=True)],
+                    0, 0.125)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    assert (out.double() - ref).abs().mean() < 2e-3
+
+
+def test_grouped_decode_refuses_groups_that_share_nothing(op) -> None:
+    q, kc, vc, tables, lens, starts, shared = grouped_scenario([(2, [40, 33])])
+    bad = tables.clone()
+    bad[1, 1] = bad[1, 2]
+    with pytest.raises(RuntimeError, match="sequence 1 does not share block 1"):
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, bad, lens, starts, shared, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="64 shared keys, but sequence 0 has 40"):
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, tables, lens, starts, torch.tensor([64]), 1.0,
+                                              torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="group_starts must run from 0 to B"):
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, tables, lens, torch.tensor([0, 1]), torch.tensor([0]), 1.0,
+                                              torch.empty_like(q))

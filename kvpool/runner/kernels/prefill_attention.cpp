@@ -40,111 +40,153 @@ struct Seq {
 
 #ifdef KVPOOL_AVX512_BF16
 
-// One task. q, out: the step's (T, heads, DIM) tensors; k, v: the kv head's (blocks, block_size, DIM)
-// pages with strides s_block, s_token.
+// Up to kMaxRows query rows attending together, with their online-softmax state: each row has its
+// query, the last position it sees (its own) and the first (a window's start, else 0). `attend` runs a
+// range of rows over a range of one block table's keys, so rows can read keys they share together
+// (a prompt tile's rows, or the decode rows of sequences sharing a prefix) and the rest apart.
+template <int64_t DIM>
+struct Rows {
+  static constexpr int64_t kPairs = DIM / 2;  // int32 pairs of bf16 along head_dim
+  static constexpr int64_t kChunks = DIM / 16;
+  int64_t n = 0;
+  const int32_t* q[kMaxRows];
+  int32_t pos[kMaxRows];
+  int32_t low[kMaxRows];
+  alignas(64) float acc[kMaxRows][DIM];
+  float m[kMaxRows];
+  float l[kMaxRows];
+
+  void add(const Bf16* query, int64_t position, int64_t first_visible) {
+    q[n] = reinterpret_cast<const int32_t*>(query);
+    pos[n] = static_cast<int32_t>(position);
+    low[n] = static_cast<int32_t>(first_visible);
+    for (int64_t d = 0; d < DIM; ++d) acc[n][d] = 0.0f;
+    m[n] = -1e30f;
+    l[n] = 0.0f;
+    ++n;
+  }
+
+  // Rows [row_begin, row_end) over keys [key_lo, key_hi) of `table` in the kv head's pages k, v
+  // ((blocks, block_size, DIM) with strides s_block, s_token).
+  void attend(int64_t row_begin, int64_t row_end, const Bf16* k, const Bf16* v, const int64_t* table,
+              int64_t key_lo, int64_t key_hi, int64_t block_size, int64_t s_block, int64_t s_token, float scale) {
+    alignas(64) int32_t kp[kPairs][16];  // kp[p][t]: key t's elements 2p, 2p+1
+    alignas(64) int32_t vp[8][DIM];      // vp[j][d]: element d of keys 2j, 2j+1
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+
+    for (int64_t t0 = key_lo - key_lo % 16; t0 < key_hi; t0 += 16) {
+      const int64_t block = table[t0 / block_size];
+      const int64_t off = t0 % block_size;
+      // Keys of this tile that any row may see; the others (before the window, past the context) are
+      // zeroed so that garbage in unused slots (even NaN) cannot reach a sum.
+      const int64_t lo = std::max<int64_t>(key_lo - t0, 0), hi = std::min<int64_t>(key_hi - t0, 16);
+      const Bf16* kb = k + block * s_block + off * s_token;
+      const Bf16* vb = v + block * s_block + off * s_token;
+      for (int64_t t = 0; t < 16; ++t) {
+        const int32_t* kr = reinterpret_cast<const int32_t*>(kb + t * s_token);
+        const bool live = t >= lo && t < hi;
+        for (int64_t p = 0; p < kPairs; ++p) kp[p][t] = live ? kr[p] : 0;
+      }
+      for (int64_t j = 0; j < 8; ++j) {
+        const uint16_t* a = reinterpret_cast<const uint16_t*>(vb + 2 * j * s_token);
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(vb + (2 * j + 1) * s_token);
+        const bool live_a = 2 * j >= lo && 2 * j < hi, live_b = 2 * j + 1 >= lo && 2 * j + 1 < hi;
+        for (int64_t d = 0; d < DIM; ++d) {
+          vp[j][d] = static_cast<int32_t>((live_a ? a[d] : 0u) | (live_b ? static_cast<uint32_t>(b[d]) << 16 : 0u));
+        }
+      }
+      const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0)), lane);
+
+      for (int64_t r0 = row_begin; r0 < row_end; r0 += kRowBlock) {
+        __m512 sc[kRowBlock];
+        for (int64_t i = 0; i < kRowBlock; ++i) sc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < kPairs; ++p) {
+          const __m512bh kv = (__m512bh)_mm512_load_si512(kp[p]);
+          for (int64_t i = 0; i < kRowBlock; ++i) {
+            sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(q[std::min(r0 + i, row_end - 1)][p]), kv);
+          }
+        }
+        const int64_t live_rows = std::min<int64_t>(kRowBlock, row_end - r0);
+        for (int64_t i = 0; i < live_rows; ++i) {
+          const int64_t r = r0 + i;
+          const __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos[r])) &
+                                _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(low[r]));
+          if (!vis) continue;
+          const __m512 x = _mm512_mask_blend_ps(vis, neg_inf, _mm512_mul_ps(sc[i], vscale));
+          const float m_tile = _mm512_reduce_max_ps(x);
+          __m512 o[kChunks];
+          for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_load_ps(acc[r] + 16 * c);
+          if (m_tile > m[r]) {  // the running maximum moved: rescale what was summed under the old one
+            const float alpha = exp_nonpositive(m[r] - m_tile);
+            const __m512 va = _mm512_set1_ps(alpha);
+            for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_mul_ps(o[c], va);
+            l[r] *= alpha;
+            m[r] = m_tile;
+          }
+          const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
+          l[r] += _mm512_reduce_add_ps(pr);
+          alignas(32) int32_t pairs[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pr));
+          for (int64_t j = 0; j < 8; ++j) {
+            const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
+            for (int64_t c = 0; c < kChunks; ++c) {
+              o[c] = _mm512_dpbf16_ps(o[c], pj, (__m512bh)_mm512_load_si512(vp[j] + 16 * c));
+            }
+          }
+          for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(acc[r] + 16 * c, o[c]);
+        }
+      }
+    }
+  }
+
+  void write(int64_t r, Bf16* out) const {
+    const float inv = 1.0f / l[r];  // every query sees at least itself
+    for (int64_t d = 0; d < DIM; ++d) out[d] = static_cast<Bf16>(acc[r][d] * inv);
+  }
+};
+
+// One prompt task. q, out: the step's (T, heads, DIM) tensors; k, v: the kv head's pages.
 template <int64_t DIM>
 void prefill_task(const Bf16* q, Bf16* out, int64_t heads, const Bf16* k, const Bf16* v, int64_t s_block,
                   int64_t s_token, int64_t block_size, const Seq& s, const Task& task, int64_t group,
                   int64_t window, float scale) {
-  constexpr int64_t kPairs = DIM / 2;  // int32 pairs of bf16 along head_dim
-  constexpr int64_t kChunks = DIM / 16;
-  const int64_t rows = task.count * group;
-  const int64_t rows_padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t pos0 = s.ctx - s.q_len + task.first;  // position of the tile's first query
-  const int64_t pos_end = pos0 + task.count;           // keys at or after this are seen by no row
+  Rows<DIM> rows;
+  for (int64_t qi = 0; qi < task.count; ++qi) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t p = pos0 + qi;
+      rows.add(q + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM, p,
+               window > 0 ? std::max<int64_t>(0, p - window + 1) : 0);
+    }
+  }
   const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-
-  const int32_t* qrow[kMaxRows];
-  int32_t qpos[kMaxRows];
-  int32_t qlow[kMaxRows];
-  for (int64_t r = 0; r < rows_padded; ++r) {
-    const int64_t rr = std::min(r, rows - 1);  // padding rows repeat the last row; their results are dropped
-    const int64_t qi = rr / group, g = rr % group;
-    qrow[r] = reinterpret_cast<const int32_t*>(q + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM);
-    qpos[r] = static_cast<int32_t>(pos0 + qi);
-    qlow[r] = window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, pos0 + qi - window + 1)) : 0;
-  }
-  alignas(64) float acc[kMaxRows][DIM];
-  float m[kMaxRows], l[kMaxRows];
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < DIM; ++d) acc[r][d] = 0.0f;
-    m[r] = -1e30f;
-    l[r] = 0.0f;
-  }
-  alignas(64) int32_t kp[kPairs][16];  // kp[p][t]: key t's elements 2p, 2p+1
-  alignas(64) int32_t vp[8][DIM];      // vp[j][d]: element d of keys 2j, 2j+1
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-
-  for (int64_t t0 = key_lo - key_lo % 16; t0 < pos_end; t0 += 16) {
-    const int64_t block = s.table[t0 / block_size];
-    const int64_t off = t0 % block_size;
-    // Keys of this tile that any row may see; the others (before the window, past the context) are
-    // zeroed so that garbage in unused slots (even NaN) cannot reach a sum.
-    const int64_t lo = std::max<int64_t>(key_lo - t0, 0), hi = std::min<int64_t>(pos_end - t0, 16);
-    const Bf16* kb = k + block * s_block + off * s_token;
-    const Bf16* vb = v + block * s_block + off * s_token;
-    for (int64_t t = 0; t < 16; ++t) {
-      const int32_t* kr = reinterpret_cast<const int32_t*>(kb + t * s_token);
-      const bool live = t >= lo && t < hi;
-      for (int64_t p = 0; p < kPairs; ++p) kp[p][t] = live ? kr[p] : 0;
-    }
-    for (int64_t j = 0; j < 8; ++j) {
-      const uint16_t* a = reinterpret_cast<const uint16_t*>(vb + 2 * j * s_token);
-      const uint16_t* b = reinterpret_cast<const uint16_t*>(vb + (2 * j + 1) * s_token);
-      const bool live_a = 2 * j >= lo && 2 * j < hi, live_b = 2 * j + 1 >= lo && 2 * j + 1 < hi;
-      for (int64_t d = 0; d < DIM; ++d) {
-        vp[j][d] = static_cast<int32_t>((live_a ? a[d] : 0u) | (live_b ? static_cast<uint32_t>(b[d]) << 16 : 0u));
-      }
-    }
-    const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0)), lane);
-
-    for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
-      __m512 sc[kRowBlock];
-      for (int64_t i = 0; i < kRowBlock; ++i) sc[i] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512bh kv = (__m512bh)_mm512_load_si512(kp[p]);
-        for (int64_t i = 0; i < kRowBlock; ++i) {
-          sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(qrow[r0 + i][p]), kv);
-        }
-      }
-      const int64_t live_rows = std::min<int64_t>(kRowBlock, rows - r0);
-      for (int64_t i = 0; i < live_rows; ++i) {
-        const int64_t r = r0 + i;
-        const __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(qpos[r])) &
-                              _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(qlow[r]));
-        if (!vis) continue;
-        const __m512 x = _mm512_mask_blend_ps(vis, neg_inf, _mm512_mul_ps(sc[i], vscale));
-        const float m_tile = _mm512_reduce_max_ps(x);
-        __m512 o[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_load_ps(acc[r] + 16 * c);
-        if (m_tile > m[r]) {  // the running maximum moved: rescale what was summed under the old one
-          const float alpha = exp_nonpositive(m[r] - m_tile);
-          const __m512 va = _mm512_set1_ps(alpha);
-          for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_mul_ps(o[c], va);
-          l[r] *= alpha;
-          m[r] = m_tile;
-        }
-        const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
-        l[r] += _mm512_reduce_add_ps(pr);
-        alignas(32) int32_t pairs[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pr));
-        for (int64_t j = 0; j < 8; ++j) {
-          const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
-          for (int64_t c = 0; c < kChunks; ++c) {
-            o[c] = _mm512_dpbf16_ps(o[c], pj, (__m512bh)_mm512_load_si512(vp[j] + 16 * c));
-          }
-        }
-        for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(acc[r] + 16 * c, o[c]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
+  rows.attend(0, rows.n, k, v, s.table, key_lo, pos0 + task.count, block_size, s_block, s_token, scale);
+  for (int64_t r = 0; r < rows.n; ++r) {
     const int64_t qi = r / group, g = r % group;
-    Bf16* o = out + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM;
-    const float inv = 1.0f / l[r];  // every query sees at least itself
-    for (int64_t d = 0; d < DIM; ++d) o[d] = static_cast<Bf16>(acc[r][d] * inv);
+    rows.write(r, out + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM);
+  }
+}
+
+// One decode task: `count` single-query sequences from `first` on, sharing their first `shared` keys
+// (the same blocks), for one kv head. The shared keys are read once for all their rows.
+template <int64_t DIM>
+void decode_group_task(const Bf16* q, Bf16* out, int64_t heads, const Bf16* k, const Bf16* v, int64_t s_block,
+                       int64_t s_token, int64_t block_size, const int64_t* tables, int64_t width,
+                       const int64_t* lens, int64_t first, int64_t count, int64_t shared, int64_t head,
+                       int64_t group, float scale) {
+  Rows<DIM> rows;
+  for (int64_t b = first; b < first + count; ++b) {
+    for (int64_t g = 0; g < group; ++g) rows.add(q + (b * heads + head * group + g) * DIM, lens[b] - 1, 0);
+  }
+  const int64_t* lead = tables + first * width;
+  rows.attend(0, rows.n, k, v, lead, 0, shared, block_size, s_block, s_token, scale);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t b = first + i;
+    rows.attend(i * group, (i + 1) * group, k, v, tables + b * width, shared, lens[b], block_size, s_block,
+                s_token, scale);
+    for (int64_t g = 0; g < group; ++g) rows.write(i * group + g, out + (b * heads + head * group + g) * DIM);
   }
 }
 
@@ -234,9 +276,90 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
+// Decode rows in groups that share leading blocks: q (B, heads, D) bf16, sequence b with table row b
+// of `tables` (B, W) and lens[b] keys (its query the last); the sequences of group i are rows
+// [group_starts[i], group_starts[i + 1]), and their first shared[i] keys lie in the same blocks.
+at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& group_starts,
+                                const at::Tensor& shared, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
+              "q must be a contiguous bfloat16 (B, heads, head_dim) tensor");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous and shaped and typed like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "k_cache and v_cache must share one bfloat16 (kv_heads, blocks, block_size, head_dim) layout");
+  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0 && heads / kv_heads <= kMaxRows,
+              "q and the caches disagree on head_dim or heads");
+  TORCH_CHECK(prefill_supported(dim, block_size),
+              "paged_decode_grouped: needs AVX-512 BF16, head_dim 64 or 128 and block_size a multiple of 16");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong &&
+                  tables.is_contiguous(), "tables must be a contiguous int64 (B, W) tensor");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == batch,
+              "lens must be a contiguous int64 (B,) tensor");
+  TORCH_CHECK(group_starts.scalar_type() == at::kLong && shared.scalar_type() == at::kLong &&
+                  group_starts.is_contiguous() && shared.is_contiguous() && group_starts.numel() == shared.numel() + 1,
+              "group_starts (G + 1,) and shared (G,) must be contiguous int64 tensors");
+  const int64_t width = tables.size(1), group = heads / kv_heads, n_groups = shared.numel();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t* ln = lens.const_data_ptr<int64_t>();
+  const int64_t* gs = group_starts.const_data_ptr<int64_t>();
+  const int64_t* sh = shared.const_data_ptr<int64_t>();
+  TORCH_CHECK(gs[0] == 0 && gs[n_groups] == batch, "group_starts must run from 0 to B");
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(1 <= ln[b] && ln[b] <= width * block_size, "sequence ", b, ": ", ln[b], " keys do not fit its ", width,
+                " blocks");
+    for (int64_t j = 0; j <= (ln[b] - 1) / block_size; ++j) {
+      TORCH_CHECK(0 <= tp[b * width + j] && tp[b * width + j] < blocks, "sequence ", b, ": block id ",
+                  tp[b * width + j], " is outside the cache's ", blocks, " blocks");
+    }
+  }
+  std::vector<Task> tasks;  // (first sequence, kv head, count): seq holds the group
+  const int64_t per_task = std::max<int64_t>(1, kMaxRows / group);
+  for (int64_t i = 0; i < n_groups; ++i) {
+    TORCH_CHECK(gs[i] < gs[i + 1], "group ", i, " is empty");
+    TORCH_CHECK(sh[i] >= 0 && sh[i] % block_size == 0, "group ", i, ": shared keys must be whole blocks");
+    for (int64_t b = gs[i]; b < gs[i + 1]; ++b) {
+      TORCH_CHECK(sh[i] <= ln[b], "group ", i, ": ", sh[i], " shared keys, but sequence ", b, " has ", ln[b]);
+      for (int64_t j = 0; j < sh[i] / block_size; ++j) {
+        TORCH_CHECK(tp[b * width + j] == tp[gs[i] * width + j], "group ", i, ": sequence ", b,
+                    " does not share block ", j, " with the group's first sequence");
+      }
+    }
+    for (int64_t f = gs[i]; f < gs[i + 1]; f += per_task) {
+      const int64_t n = std::min(per_task, gs[i + 1] - f);
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({i, h, f, n, n * ln[f]});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+#ifdef KVPOOL_AVX512_BF16
+  const Bf16* qp = q.const_data_ptr<Bf16>();
+  Bf16* op = out.mutable_data_ptr<Bf16>();
+  const Bf16* kp = k_cache.const_data_ptr<Bf16>();
+  const Bf16* vp = v_cache.const_data_ptr<Bf16>();
+  const int64_t s_head = k_cache.stride(0), s_block = k_cache.stride(1), s_token = k_cache.stride(2);
+  const auto n_tasks = static_cast<int64_t>(tasks.size());
+  const float sc = static_cast<float>(scale);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < n_tasks; ++i) {
+    const Task& t = tasks[i];
+    auto* fn = dim == 64 ? &decode_group_task<64> : &decode_group_task<128>;
+    fn(qp, op, heads, kp + t.head * s_head, vp + t.head * s_head, s_block, s_token, block_size, tp, width, ln,
+       t.first, t.count, sh[t.seq], t.head, group, sc);
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvpool, m) {
+  m.def("paged_decode_grouped(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
+        "Tensor group_starts, Tensor shared, float scale, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("paged_decode_grouped", c10::DispatchKey::CPU, &paged_decode_grouped);
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_starts, Tensor q_lens, "
         "Tensor ctx_lens, Tensor tables, int window, float scale, Tensor(a!) out) -> Tensor(a!)");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
