@@ -202,27 +202,42 @@ bool prefill_supported(int64_t dim, int64_t block_size) {
 #endif
 }
 
-// q: (T, heads, D) bf16; k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
-// row in q, its number of queries, its context length (queries included) and its block table (a row of
-// `tables`, (S, W) int64). window > 0: each query sees that many most recent positions, itself included.
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens,
-                                   const at::Tensor& tables, int64_t window, double scale, at::Tensor out) {
+// Runs fn(task) for every task over torch's threads, longest first and handed out one at a time:
+// causal tiles and groups of different sizes differ widely in cost.
+template <typename Fn>
+void run_tasks(std::vector<Task>& tasks, const Fn& fn) {
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const auto n = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < n; ++i) fn(tasks[i]);
+}
+
+// The checks both ops make of q, out and the caches.
+void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
-              "q must be a contiguous bfloat16 (T, heads, head_dim) tensor");
+              "q must be a contiguous bfloat16 (rows, heads, head_dim) tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous and shaped and typed like q");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
               "k_cache and v_cache must share one bfloat16 (kv_heads, blocks, block_size, head_dim) layout");
   TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= kMaxRows,
+              "heads / kv_heads must be a whole number <= ", kMaxRows);
+  TORCH_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
+              "needs AVX-512 BF16, head_dim 64 or 128 and block_size a multiple of 16");
+}
+
+// q: (T, heads, D) bf16; k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
+// row in q, its number of queries, its context length (queries included) and its block table (a row of
+// `tables`, (S, W) int64). window > 0: each query sees that many most recent positions, itself included.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens,
+                                   const at::Tensor& tables, int64_t window, double scale, at::Tensor out) {
+  check_paged_bf16(q, out, k_cache, v_cache);
   const int64_t n_tok = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxRows, "heads / kv_heads must be a whole number <= ",
-              kMaxRows);
-  TORCH_CHECK(prefill_supported(dim, block_size),
-              "paged_prefill_attention: needs AVX-512 BF16, head_dim 64 or 128 and block_size a multiple of 16");
   for (const auto* t : {&q_starts, &q_lens, &ctx_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == tables.size(0),
                 "q_starts, q_lens and ctx_lens must be contiguous int64 (S,) tensors, one entry per table row");
@@ -255,23 +270,17 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
       for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({i, h, f, n, keys * n});
     }
   }
-  // Longest first, handed out one at a time: causal tiles differ widely in cost.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
 #ifdef KVPOOL_AVX512_BF16
   const Bf16* qp = q.const_data_ptr<Bf16>();
   Bf16* op = out.mutable_data_ptr<Bf16>();
   const Bf16* kp = k_cache.const_data_ptr<Bf16>();
   const Bf16* vp = v_cache.const_data_ptr<Bf16>();
   const int64_t s_head = k_cache.stride(0), s_block = k_cache.stride(1), s_token = k_cache.stride(2);
-  const auto n_tasks = static_cast<int64_t>(tasks.size());
-  const float sc = static_cast<float>(scale);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t i = 0; i < n_tasks; ++i) {
-    const Task& t = tasks[i];
-    auto* fn = dim == 64 ? &prefill_task<64> : &prefill_task<128>;
+  auto* fn = dim == 64 ? &prefill_task<64> : &prefill_task<128>;
+  run_tasks(tasks, [&](const Task& t) {
     fn(qp, op, heads, kp + t.head * s_head, vp + t.head * s_head, s_block, s_token, block_size, seqs[t.seq], t,
-       group, window, sc);
-  }
+       group, window, static_cast<float>(scale));
+  });
 #endif
   return out;
 }
@@ -282,20 +291,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& group_starts,
                                 const at::Tensor& shared, double scale, at::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
-              "q must be a contiguous bfloat16 (B, heads, head_dim) tensor");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "out must be contiguous and shaped and typed like q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "k_cache and v_cache must share one bfloat16 (kv_heads, blocks, block_size, head_dim) layout");
-  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  check_paged_bf16(q, out, k_cache, v_cache);
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0 && heads / kv_heads <= kMaxRows,
-              "q and the caches disagree on head_dim or heads");
-  TORCH_CHECK(prefill_supported(dim, block_size),
-              "paged_decode_grouped: needs AVX-512 BF16, head_dim 64 or 128 and block_size a multiple of 16");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong &&
                   tables.is_contiguous(), "tables must be a contiguous int64 (B, W) tensor");
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == batch,
@@ -334,22 +332,17 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
       for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({i, h, f, n, n * ln[f]});
     }
   }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
 #ifdef KVPOOL_AVX512_BF16
   const Bf16* qp = q.const_data_ptr<Bf16>();
   Bf16* op = out.mutable_data_ptr<Bf16>();
   const Bf16* kp = k_cache.const_data_ptr<Bf16>();
   const Bf16* vp = v_cache.const_data_ptr<Bf16>();
   const int64_t s_head = k_cache.stride(0), s_block = k_cache.stride(1), s_token = k_cache.stride(2);
-  const auto n_tasks = static_cast<int64_t>(tasks.size());
-  const float sc = static_cast<float>(scale);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t i = 0; i < n_tasks; ++i) {
-    const Task& t = tasks[i];
-    auto* fn = dim == 64 ? &decode_group_task<64> : &decode_group_task<128>;
+  auto* fn = dim == 64 ? &decode_group_task<64> : &decode_group_task<128>;
+  run_tasks(tasks, [&](const Task& t) {
     fn(qp, op, heads, kp + t.head * s_head, vp + t.head * s_head, s_block, s_token, block_size, tp, width, ln,
-       t.first, t.count, sh[t.seq], t.head, group, sc);
-  }
+       t.first, t.count, sh[t.seq], t.head, group, static_cast<float>(scale));
+  });
 #endif
   return out;
 }
