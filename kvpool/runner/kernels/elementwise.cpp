@@ -19,6 +19,19 @@ using Bf16 = c10::BFloat16;
 
 inline float round_bf16(float x) { return static_cast<float>(static_cast<Bf16>(x)); }
 
+#ifdef KVPOOL_AVX512_BF16
+// Sixteen lanes at a time, with masked loads and stores for a row's tail: one code path per element.
+inline __m512 load16(const Bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }  // round to nearest even
+inline __m512 round16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+inline void store16(Bf16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(x)); }
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+#endif
+
 void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name, " must be a contiguous bfloat16 tensor");
 }
@@ -60,12 +73,24 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
     for (int64_t r = begin; r < end; ++r) {
       const Bf16* g = gp + r * 2 * n;
       const Bf16* u = g + n;
+#ifdef KVPOOL_AVX512_BF16
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 x = load16(g + i, m);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // exp(-|x|)
+        const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv);
+        store16(op + r * n + i, _mm512_mul_ps(round16(_mm512_mul_ps(x, sig)), load16(u + i, m)), m);
+      }
+#else
       for (int64_t i = 0; i < n; ++i) {
         const float x = to_float(g[i]);
         const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|) never overflows
         const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
         op[r * n + i] = static_cast<Bf16>(round_bf16(x * sig) * to_float(u[i]));
       }
+#endif
     }
   });
   return out;
@@ -103,12 +128,22 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
       for (int64_t h = 0; h < heads; ++h) {
         const Bf16* xr = xp + t * s_tok + h * s_head;
         Bf16* o = op + (t * heads + h) * d;
+#ifdef KVPOOL_AVX512_BF16
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = tail_mask(half - i);
+          const __m512 c = round16(_mm512_maskz_loadu_ps(m, ct + i)), s = round16(_mm512_maskz_loadu_ps(m, st + i));
+          const __m512 x1 = load16(xr + i, m), x2 = load16(xr + i + half, m);
+          store16(o + i, _mm512_sub_ps(round16(_mm512_mul_ps(x1, c)), round16(_mm512_mul_ps(x2, s))), m);
+          store16(o + i + half, _mm512_add_ps(round16(_mm512_mul_ps(x2, c)), round16(_mm512_mul_ps(x1, s))), m);
+        }
+#else
         for (int64_t i = 0; i < half; ++i) {
           const float c = round_bf16(ct[i]), s = round_bf16(st[i]);
           const float x1 = to_float(xr[i]), x2 = to_float(xr[i + half]);
           o[i] = static_cast<Bf16>(round_bf16(x1 * c) - round_bf16(x2 * s));
           o[i + half] = static_cast<Bf16>(round_bf16(x2 * c) + round_bf16(x1 * s));
         }
+#endif
       }
     }
   });
