@@ -78,8 +78,8 @@ class AttentionMetadata:
     # Decode rows go through the compiled kernel (kvpool.runner.kernels), which reads every key in place
     # and so needs neither cascades nor the padded gather.
     decode_kernel: bool = False
-    # With the prefill kernel too (bf16): the first `decode_grouped` decode rows form groups sharing a prefix
-    # (rows decode_group_starts[i]..[i+1] share their first decode_shared[i] keys), the rest decode alone.
+    # With the prefill kernel too (bf16), the first `decode_grouped` decode rows (all of them, for full
+    # attention) form groups: rows decode_group_starts[i]..[i+1] share their first decode_shared[i] keys.
     decode_grouped: int = 0
     decode_group_starts: torch.Tensor | None = None
     decode_shared: torch.Tensor | None = None
@@ -158,13 +158,14 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
         return
     dev = meta.slot_mapping.device
     if meta.decode_kernel and meta.prefill_kernel and meta.window is None:
-        # bf16: sequences sharing a prefix decode together, their shared keys read once for all
-        # (kvpool::paged_decode_grouped); they come first in the batch, group after group.
+        # bf16: every decode row goes through kvpool::paged_decode_grouped, in groups of sequences
+        # sharing a prefix (its keys read once for all of them) or alone. Its arithmetic per row does not
+        # depend on the grouping, so tokens come out the same with prefix caching on or off.
         groups = shared_prefix_groups(meta.seqs, idx, block_size, MIN_CASCADE_TOKENS)
-        grouped = [i for members, _ in groups for i in members]
-        in_group = set(grouped)
-        idx = grouped + [i for i in idx if i not in in_group]
-        meta.decode_grouped = len(grouped)
+        in_group = {i for members, _ in groups for i in members}
+        groups += [([i], 0) for i in idx if i not in in_group]
+        idx = [i for members, _ in groups for i in members]
+        meta.decode_grouped = len(idx)
         starts = [0]
         for members, _ in groups:
             starts.append(starts[-1] + len(members))

@@ -304,7 +304,8 @@ class ModelRunner:
                 plan_cascades(meta, bs)
                 self.num_cascade_steps += bool(meta.groups) and g == 0
             plan_decode_batch(meta, bs)
-            self.num_grouped_decode_steps += bool(meta.decode_grouped) and g == 0
+            shared = meta.decode_shared
+            self.num_grouped_decode_steps += bool(shared is not None and shared.any()) and g == 0
             plan_prefill_batch(meta)
             twin = masks_by_window.get(window) if window is not None else None
             if twin is None:

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define KVPOOL_AVX512_BF16 1
 #endif

@@ -40,6 +40,65 @@ struct Seq {
 
 #ifdef KVPOOL_AVX512_BF16
 
+// The 16 x 16 int32 matrix in rows r, transposed in place: four rounds of shuffles, no scalar moves.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: rows 4i..4i+3 at column 4L + j
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a_lo = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), a_hi = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i b_lo = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i b_hi = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(a_lo, b_lo, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(a_lo, b_lo, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(a_hi, b_hi, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(a_hi, b_hi, 0xDD);
+  }
+}
+
+// Sixteen keys (rows of DIM bf16, s_token apart) into kp[p][t] = key t's elements 2p, 2p + 1; keys
+// outside [lo, hi) become zeros, so garbage in unused slots (even NaN) cannot reach a sum.
+template <int64_t DIM>
+inline void pack_keys(const Bf16* keys, int64_t s_token, int64_t lo, int64_t hi, int32_t (*kp)[16]) {
+  for (int64_t c = 0; c < DIM / 32; ++c) {  // 16 pairs of each key at a time
+    __m512i r[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      r[t] = t >= lo && t < hi ? _mm512_loadu_si512(keys + t * s_token + 32 * c) : _mm512_setzero_si512();
+    }
+    transpose16(r);
+    for (int64_t p = 0; p < 16; ++p) _mm512_store_si512(kp[16 * c + p], r[p]);
+  }
+}
+
+// Sixteen values into vp[j][d] = element d of values 2j (low half) and 2j + 1 (high half), zeros
+// outside [lo, hi) as above.
+template <int64_t DIM>
+inline void pack_values(const Bf16* values, int64_t s_token, int64_t lo, int64_t hi, int32_t (*vp)[DIM]) {
+  // Output int32 i of a 16-lane chunk pairs element i of the first row with element i of the second.
+  alignas(64) static const uint16_t kInterleave[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i idx_lo = _mm512_load_si512(kInterleave[0]), idx_hi = _mm512_load_si512(kInterleave[1]);
+  for (int64_t j = 0; j < 8; ++j) {
+    const int64_t ta = 2 * j, tb = ta + 1;
+    for (int64_t c = 0; c < DIM / 32; ++c) {  // 32 elements of each row: two 16-lane output chunks
+      const __m512i a = ta >= lo && ta < hi ? _mm512_loadu_si512(values + ta * s_token + 32 * c) : _mm512_setzero_si512();
+      const __m512i b = tb >= lo && tb < hi ? _mm512_loadu_si512(values + tb * s_token + 32 * c) : _mm512_setzero_si512();
+      _mm512_store_si512(vp[j] + 32 * c, _mm512_permutex2var_epi16(a, idx_lo, b));
+      _mm512_store_si512(vp[j] + 32 * c + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
+    }
+  }
+}
+
 // Up to kMaxRows query rows attending together, with their online-softmax state: each row has its
 // query, the last position it sees (its own) and the first (a window's start, else 0). `attend` runs a
 // range of rows over a range of one block table's keys, so rows can read keys they share together
@@ -84,19 +143,20 @@ struct Rows {
       const int64_t lo = std::max<int64_t>(key_lo - t0, 0), hi = std::min<int64_t>(key_hi - t0, 16);
       const Bf16* kb = k + block * s_block + off * s_token;
       const Bf16* vb = v + block * s_block + off * s_token;
-      for (int64_t t = 0; t < 16; ++t) {
-        const int32_t* kr = reinterpret_cast<const int32_t*>(kb + t * s_token);
-        const bool live = t >= lo && t < hi;
-        for (int64_t p = 0; p < kPairs; ++p) kp[p][t] = live ? kr[p] : 0;
-      }
-      for (int64_t j = 0; j < 8; ++j) {
-        const uint16_t* a = reinterpret_cast<const uint16_t*>(vb + 2 * j * s_token);
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(vb + (2 * j + 1) * s_token);
-        const bool live_a = 2 * j >= lo && 2 * j < hi, live_b = 2 * j + 1 >= lo && 2 * j + 1 < hi;
-        for (int64_t d = 0; d < DIM; ++d) {
-          vp[j][d] = static_cast<int32_t>((live_a ? a[d] : 0u) | (live_b ? static_cast<uint32_t>(b[d]) << 16 : 0u));
+      if (t0 + 16 < key_hi) {
+        // Blocks are scattered, so the hardware prefetcher cannot see the next tile coming: ask for it
+        // while this one computes (few rows per tile, as in decoding, leave little else to hide it).
+        const int64_t nt = t0 + 16;
+        const int64_t next = table[nt / block_size] * s_block + (nt % block_size) * s_token;
+        for (int64_t t = 0; t < 16; ++t) {
+          for (int64_t off = 0; off < DIM; off += 32) {
+            __builtin_prefetch(k + next + t * s_token + off);
+            __builtin_prefetch(v + next + t * s_token + off);
+          }
         }
       }
+      pack_keys<DIM>(kb, s_token, lo, hi, kp);
+      pack_values<DIM>(vb, s_token, lo, hi, vp);
       const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0)), lane);
 
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kRowBlock) {
