@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvpool.engine.llm import LLM
@@ -56,3 +57,21 @@ def test_bf16_kernels_on_and_off_differ_only_at_near_ties(smol_dir: Path) -> Non
         assert gap < NEAR_TIE, f"token {i}: {on[i]} vs {off[i]}, fp32 logits {gap:.3f} apart: not a near-tie"
         assert float(logits.max() - logits[on[i]]) < NEAR_TIE  # and the kernels' pick is itself a top choice
     assert identical >= len(QUESTIONS) // 4
+
+
+def test_bf16_tokens_identical_with_caching_and_chunking(smol_dir: Path) -> None:
+    """With the kernels, a row's attention arithmetic does not depend on prefix hits, grouping or
+    chunking, and oneDNN's bf16 matmuls do not depend on the row count: so prefix caching and chunk
+    size change no token even in bf16 (the fp32 tests prove the same against transformers)."""
+    if not kernels.prefill_supported(64, 16):
+        pytest.skip("this CPU has no AVX-512 BF16: bf16 attention runs on torch ops, which split by length")
+    results = []
+    for caching, budget in ((True, 2048), (False, 2048), (True, 96)):
+        llm = LLM(str(smol_dir), dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=caching,
+                  max_num_batched_tokens=budget)
+        prompts = [llm.engine.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                   {"role": "user", "content": q}]) for q in QUESTIONS]
+        outs = llm.generate(prompts, SamplingParams.greedy(24), use_tqdm=False)
+        assert (sum(o.num_cached_tokens for o in outs) > 0) is caching
+        results.append([o.token_ids for o in outs])
+    assert results[0] == results[1] == results[2]
