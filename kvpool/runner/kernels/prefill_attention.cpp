@@ -1,9 +1,11 @@
-// Paged attention for chunks of several queries (prefill), bf16 on CPUs with AVX-512 BF16: flash
-// attention whose keys and values are read in place through each sequence's block table, causal
-// (and sliding-window) masks computed from positions, no bias tensor, no gather, no cascade split.
+// Paged attention in bf16 on CPUs with AVX-512 BF16, for chunks of several queries (prefill) and for
+// decode rows in groups sharing a prefix: flash attention whose keys and values are read in place
+// through each sequence's block table, causal (and sliding-window) masks computed from positions, no
+// bias tensor, no gather, no cascade split.
 //
-// A task is (sequence, kv head, a tile of query positions); its rows are the tile's positions times
-// the kv head's query heads, so every key and value loaded serves all of them. Keys come 16 at a time:
+// A prompt task is (sequence, kv head, a tile of query positions); its rows are the tile's positions
+// times the kv head's query heads, so every key and value loaded serves all of them. A decode task is
+// (group of sequences, kv head): all their rows read the shared keys together, then each its own. Keys come 16 at a time:
 // repacked into pairs along head_dim (keys) or along tokens (values), both products run on the bf16
 // dot-product instruction (exact products, fp32 sums), with an online softmax in fp32 between them.
 // Probabilities are rounded to bf16 for the value product, as PyTorch's CPU flash kernel does.
@@ -29,13 +31,33 @@ constexpr int64_t kMaxRows = 96;  // rows (query position x head of the group) o
 constexpr int64_t kRowBlock = 8;  // rows whose scores are computed together against one key tile
 
 struct Task {
-  int64_t seq, head, first, count;  // queries [first, first + count) of the sequence
-  int64_t cost;
+  int64_t seq, head, first, count;  // prompt: queries [first, first + count) of sequence `seq`;
+  int64_t cost;                     // decode: sequences [first, first + count) of group `seq`
 };
 
 struct Seq {
   int64_t q_start, q_len, ctx;  // rows of the step; keys in the cache, the queries' own included
   const int64_t* table;
+};
+
+// What every task reads and writes: the rows' queries and outputs ((rows, heads, D) bf16) and one
+// layer's paged caches ((kv_heads, blocks, block_size, D), D contiguous).
+struct Paged {
+  const Bf16* q;
+  Bf16* out;
+  const Bf16* k;
+  const Bf16* v;
+  int64_t heads, group, s_head, s_block, s_token, block_size;
+  float scale;
+
+  Paged(const at::Tensor& q_, at::Tensor& out_, const at::Tensor& k_cache, const at::Tensor& v_cache, double sc)
+      : q(q_.const_data_ptr<Bf16>()), out(out_.mutable_data_ptr<Bf16>()), k(k_cache.const_data_ptr<Bf16>()),
+        v(v_cache.const_data_ptr<Bf16>()), heads(q_.size(1)), group(q_.size(1) / k_cache.size(0)),
+        s_head(k_cache.stride(0)), s_block(k_cache.stride(1)), s_token(k_cache.stride(2)),
+        block_size(k_cache.size(2)), scale(static_cast<float>(sc)) {}
+
+  // Offset of query head g of kv head h in row `row` of q and out.
+  int64_t at(int64_t row, int64_t h, int64_t g, int64_t dim) const { return (row * heads + h * group + g) * dim; }
 };
 
 #ifdef KVPOOL_AVX512_BF16
@@ -125,14 +147,16 @@ struct Rows {
     ++n;
   }
 
-  // Rows [row_begin, row_end) over keys [key_lo, key_hi) of `table` in the kv head's pages k, v
-  // ((blocks, block_size, DIM) with strides s_block, s_token).
-  void attend(int64_t row_begin, int64_t row_end, const Bf16* k, const Bf16* v, const int64_t* table,
-              int64_t key_lo, int64_t key_hi, int64_t block_size, int64_t s_block, int64_t s_token, float scale) {
+  // Rows [row_begin, row_end) over keys [key_lo, key_hi) of `table`, in kv head h's pages.
+  void attend(int64_t row_begin, int64_t row_end, const Paged& pg, int64_t h, const int64_t* table, int64_t key_lo,
+              int64_t key_hi) {
+    const Bf16* k = pg.k + h * pg.s_head;
+    const Bf16* v = pg.v + h * pg.s_head;
+    const int64_t block_size = pg.block_size, s_block = pg.s_block, s_token = pg.s_token;
     alignas(64) int32_t kp[kPairs][16];  // kp[p][t]: key t's elements 2p, 2p+1
     alignas(64) int32_t vp[8][DIM];      // vp[j][d]: element d of keys 2j, 2j+1
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 vscale = _mm512_set1_ps(pg.scale);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
 
     for (int64_t t0 = key_lo - key_lo % 16; t0 < key_hi; t0 += 16) {
@@ -207,46 +231,40 @@ struct Rows {
   }
 };
 
-// One prompt task. q, out: the step's (T, heads, DIM) tensors; k, v: the kv head's pages.
+// One prompt task: a tile of one sequence's queries, for one kv head.
 template <int64_t DIM>
-void prefill_task(const Bf16* q, Bf16* out, int64_t heads, const Bf16* k, const Bf16* v, int64_t s_block,
-                  int64_t s_token, int64_t block_size, const Seq& s, const Task& task, int64_t group,
-                  int64_t window, float scale) {
+void prefill_task(const Paged& pg, const Seq& s, const Task& task, int64_t window) {
   const int64_t pos0 = s.ctx - s.q_len + task.first;  // position of the tile's first query
   Rows<DIM> rows;
   for (int64_t qi = 0; qi < task.count; ++qi) {
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < pg.group; ++g) {
       const int64_t p = pos0 + qi;
-      rows.add(q + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM, p,
+      rows.add(pg.q + pg.at(s.q_start + task.first + qi, task.head, g, DIM), p,
                window > 0 ? std::max<int64_t>(0, p - window + 1) : 0);
     }
   }
   const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  rows.attend(0, rows.n, k, v, s.table, key_lo, pos0 + task.count, block_size, s_block, s_token, scale);
+  rows.attend(0, rows.n, pg, task.head, s.table, key_lo, pos0 + task.count);
   for (int64_t r = 0; r < rows.n; ++r) {
-    const int64_t qi = r / group, g = r % group;
-    rows.write(r, out + ((s.q_start + task.first + qi) * heads + task.head * group + g) * DIM);
+    rows.write(r, pg.out + pg.at(s.q_start + task.first + r / pg.group, task.head, r % pg.group, DIM));
   }
 }
 
-// One decode task: `count` single-query sequences from `first` on, sharing their first `shared` keys
-// (the same blocks), for one kv head. The shared keys are read once for all their rows.
+// One decode task: `task.count` single-query sequences from `task.first` on, sharing their first
+// `shared` keys (the same blocks), for one kv head. The shared keys are read once for all their rows.
 template <int64_t DIM>
-void decode_group_task(const Bf16* q, Bf16* out, int64_t heads, const Bf16* k, const Bf16* v, int64_t s_block,
-                       int64_t s_token, int64_t block_size, const int64_t* tables, int64_t width,
-                       const int64_t* lens, int64_t first, int64_t count, int64_t shared, int64_t head,
-                       int64_t group, float scale) {
+void decode_group_task(const Paged& pg, const int64_t* tables, int64_t width, const int64_t* lens, const Task& task,
+                       int64_t shared) {
   Rows<DIM> rows;
-  for (int64_t b = first; b < first + count; ++b) {
-    for (int64_t g = 0; g < group; ++g) rows.add(q + (b * heads + head * group + g) * DIM, lens[b] - 1, 0);
+  const int64_t first = task.first, group = pg.group;
+  for (int64_t b = first; b < first + task.count; ++b) {
+    for (int64_t g = 0; g < group; ++g) rows.add(pg.q + pg.at(b, task.head, g, DIM), lens[b] - 1, 0);
   }
-  const int64_t* lead = tables + first * width;
-  rows.attend(0, rows.n, k, v, lead, 0, shared, block_size, s_block, s_token, scale);
-  for (int64_t i = 0; i < count; ++i) {
+  rows.attend(0, rows.n, pg, task.head, tables + first * width, 0, shared);
+  for (int64_t i = 0; i < task.count; ++i) {
     const int64_t b = first + i;
-    rows.attend(i * group, (i + 1) * group, k, v, tables + b * width, shared, lens[b], block_size, s_block,
-                s_token, scale);
-    for (int64_t g = 0; g < group; ++g) rows.write(i * group + g, out + (b * heads + head * group + g) * DIM);
+    rows.attend(i * group, (i + 1) * group, pg, task.head, tables + b * width, shared, lens[b]);
+    for (int64_t g = 0; g < group; ++g) rows.write(i * group + g, pg.out + pg.at(b, task.head, g, DIM));
   }
 }
 
@@ -296,7 +314,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens,
                                    const at::Tensor& tables, int64_t window, double scale, at::Tensor out) {
   check_paged_bf16(q, out, k_cache, v_cache);
-  const int64_t n_tok = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t n_tok = q.size(0), heads = q.size(1);
+  [[maybe_unused]] const int64_t dim = q.size(2);  // used by the AVX-512 build only
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
   for (const auto* t : {&q_starts, &q_lens, &ctx_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == tables.size(0),
@@ -331,16 +350,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     }
   }
 #ifdef KVPOOL_AVX512_BF16
-  const Bf16* qp = q.const_data_ptr<Bf16>();
-  Bf16* op = out.mutable_data_ptr<Bf16>();
-  const Bf16* kp = k_cache.const_data_ptr<Bf16>();
-  const Bf16* vp = v_cache.const_data_ptr<Bf16>();
-  const int64_t s_head = k_cache.stride(0), s_block = k_cache.stride(1), s_token = k_cache.stride(2);
+  const Paged pg(q, out, k_cache, v_cache, scale);
   auto* fn = dim == 64 ? &prefill_task<64> : &prefill_task<128>;
-  run_tasks(tasks, [&](const Task& t) {
-    fn(qp, op, heads, kp + t.head * s_head, vp + t.head * s_head, s_block, s_token, block_size, seqs[t.seq], t,
-       group, window, static_cast<float>(scale));
-  });
+  run_tasks(tasks, [&](const Task& t) { fn(pg, seqs[t.seq], t, window); });
 #endif
   return out;
 }
@@ -352,7 +364,8 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& group_starts,
                                 const at::Tensor& shared, double scale, at::Tensor out) {
   check_paged_bf16(q, out, k_cache, v_cache);
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t batch = q.size(0), heads = q.size(1);
+  [[maybe_unused]] const int64_t dim = q.size(2);  // used by the AVX-512 build only
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong &&
                   tables.is_contiguous(), "tables must be a contiguous int64 (B, W) tensor");
@@ -393,16 +406,9 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
     }
   }
 #ifdef KVPOOL_AVX512_BF16
-  const Bf16* qp = q.const_data_ptr<Bf16>();
-  Bf16* op = out.mutable_data_ptr<Bf16>();
-  const Bf16* kp = k_cache.const_data_ptr<Bf16>();
-  const Bf16* vp = v_cache.const_data_ptr<Bf16>();
-  const int64_t s_head = k_cache.stride(0), s_block = k_cache.stride(1), s_token = k_cache.stride(2);
+  const Paged pg(q, out, k_cache, v_cache, scale);
   auto* fn = dim == 64 ? &decode_group_task<64> : &decode_group_task<128>;
-  run_tasks(tasks, [&](const Task& t) {
-    fn(qp, op, heads, kp + t.head * s_head, vp + t.head * s_head, s_block, s_token, block_size, tp, width, ln,
-       t.first, t.count, sh[t.seq], t.head, group, static_cast<float>(scale));
-  });
+  run_tasks(tasks, [&](const Task& t) { fn(pg, tp, width, ln, t, sh[t.seq]); });
 #endif
   return out;
 }
