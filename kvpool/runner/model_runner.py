@@ -229,6 +229,9 @@ class ModelRunner:
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
                  num_blocks * self.bytes_per_block / 2**20)
+        on = [name for name, used in (("decode attention", self.decode_kernel), ("prefill attention",
+              self.prefill_kernel), ("fused norm/rotary/SiLU", self.fused_ops)) if used]
+        log.info("kvpool CPU kernels: %s", ", ".join(on) if on else "none (torch ops)")
 
     @property
     def max_model_len(self) -> int:
