@@ -78,14 +78,12 @@ class AttentionMetadata:
     # Decode rows go through the compiled kernel (kvpool.runner.kernels), which reads every key in place
     # and so needs neither cascades nor the padded gather.
     decode_kernel: bool = False
-    # With the prefill kernel too (bf16), the first `decode_grouped` decode rows (all of them, for full
-    # attention) form groups: rows decode_group_starts[i]..[i+1] share their first decode_shared[i] keys.
-    decode_grouped: int = 0
+    # With the prefill kernel too (bf16, full attention), the decode rows form groups: rows
+    # decode_group_starts[i]..[i+1] share their first decode_shared[i] keys (None: no groups this step).
     decode_group_starts: torch.Tensor | None = None
     decode_shared: torch.Tensor | None = None
     # Multi-token chunks through the compiled flash kernel (bf16): no cascades, masks or gathers for them.
     prefill_kernel: bool = False
-    prefill_seqs: list[int] = field(default_factory=list)
     prefill_args: tuple[torch.Tensor, ...] = ()  # q_starts, q_lens, ctx_lens, tables: see plan_prefill_batch
     # Sliding-window layers: each query sees the `window` most recent positions, itself included.
     window: int | None = None
@@ -165,7 +163,6 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
         in_group = {i for members, _ in groups for i in members}
         groups += [([i], 0) for i in idx if i not in in_group]
         idx = [i for members, _ in groups for i in members]
-        meta.decode_grouped = len(idx)
         starts = [0]
         for members, _ in groups:
             starts.append(starts[-1] + len(members))
@@ -215,7 +212,6 @@ def plan_prefill_batch(meta: AttentionMetadata) -> None:
         tables[j, :len(meta.seqs[i].block_ids)] = meta.seqs[i].block_ids
     cols = [[meta.seqs[i].q_start, meta.seqs[i].num_queries, meta.seqs[i].context_len] for i in idx]
     starts, lens, ctx = torch.tensor(cols, dtype=torch.long, device=dev).t().contiguous()
-    meta.prefill_seqs = idx
     meta.prefill_args = (starts, lens, ctx, tables)
 
 
@@ -334,13 +330,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         rows, tables, lows, lens = meta.decode_rows, meta.decode_tables, meta.decode_lows, meta.decode_lens
         assert rows is not None and tables is not None and lows is not None and lens is not None
         qd = q[rows]
-        od = torch.empty_like(qd)
-        n = meta.decode_grouped
-        if n:
-            torch.ops.kvpool.paged_decode_grouped(qd[:n], k_cache, v_cache, tables[:n], lens[:n],
-                                                  meta.decode_group_starts, meta.decode_shared, scale, od[:n])
-        if n < len(qd):
-            op(qd[n:], k_cache, v_cache, tables[n:], lows[n:], lens[n:], scale, od[n:])
+        if meta.decode_group_starts is not None:
+            od = torch.ops.kvpool.paged_decode_grouped(qd, k_cache, v_cache, tables, lens, meta.decode_group_starts,
+                                                       meta.decode_shared, scale, torch.empty_like(qd))
+        else:
+            od = op(qd, k_cache, v_cache, tables, lows, lens, scale, torch.empty_like(qd))
         out[rows] = od
     elif meta.decode_seqs:
         o, l_ = _decode_suffix(q, k_cache, v_cache, meta, scale)
@@ -350,7 +344,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if grouped:
             acc[rows] = o  # type: ignore[index]
             lse[rows] = l_  # type: ignore[index]
-    if meta.prefill_seqs:
+    if meta.prefill_args:
         op = kernels.paged_prefill_attention()
         assert op is not None, "prefill_kernel is set only when the kernel loaded"
         op(q.contiguous(), k_cache, v_cache, *meta.prefill_args, meta.window or 0, scale, out)
