@@ -1,27 +1,72 @@
-"""Block pools: one tier's blocks, its free queue and its prefix-cache map (hash -> block).
+"""Block pools: one tier's blocks, ref counts and prefix-cache map (hash -> block), behind one contract.
 
-`BlockPool` is the interface of a tier and holds what every tier shares: the blocks, ref counting,
-the hash map with duplicates, KV events and the integrity check. `DeviceBlockPool` is the device tier:
-LRU eviction through the intrusive free queue. The host tier (offload) implements the same interface.
+`BlockPool` is the contract every pool implements (device, host, each page size of a two-level pool)
+and holds what they share: the blocks, the one implementation of ref counting (`touch`, `free_blocks`),
+the hash map with duplicates, KV events and the integrity check. Which free block is reused next is
+not the pool's business but its eviction policy's (`kvpool.core.eviction`); subclasses say only what
+"taking a free block" and "releasing one" mean for their structures. `DeviceBlockPool` is the device
+tier: its free blocks live in the policy (LRU by default, the seeds' order).
+
+Room is checked before anything changes: `plan_allocation` answers whether an allocation fits and
+returns the plan the allocation then follows (`AllocationPlan`), so a refused allocation changes
+nothing and an accepted one never runs out midway.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from kvpool.core.block import BlockHash, KVCacheBlock, group_key, raw_hash
-from kvpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvpool.core.free_queue import FreeBlockQueue
+from kvpool.core.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvpool.core.eviction import EvictionPolicy, make_policy
 from kvpool.core.hashing import block_extra_keys
 from kvpool.core.request import CacheRequest
 
 EvictionListener = Callable[[KVCacheBlock, BlockHash], None]
 
 
-class BlockPool:
-    """A tier's blocks and prefix-cache map. Subclasses choose the free order (eviction policy)."""
+class TierPool(Protocol):
+    """What the manager asks of a tier's pool as a whole: `BlockPool` (one page size) and
+    `TwoLevelBlockPool` (large pages split into pages of several sizes) both implement it."""
 
-    medium = "device"
+    num_blocks: int
+    num_usable_blocks: int
+
+    @property
+    def usage(self) -> float: ...
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]: ...
+
+    def get_num_free_blocks(self) -> int: ...
+
+    def plan_groups(self, need: Sequence[int], skipped: Sequence[Sequence[KVCacheBlock]],
+                    hits: Sequence[Sequence[KVCacheBlock]]) -> AllocationPlan | None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def take_events(self) -> list[KVCacheEvent]: ...
+
+    def check_integrity(self) -> None: ...
+
+    def free_block_ids(self) -> list: ...
+
+
+class AllocationPlan:
+    """What an accepted allocation may take. `spare`: whole free large pages beyond what a two-level
+    pool's allocation needs (a type may open one rather than evict a more recent page of its own)."""
+
+    __slots__ = ("spare",)
+
+    def __init__(self, spare: int = 0) -> None:
+        self.spare = spare
+
+
+class BlockPool:
+    """A tier's blocks, ref counts and prefix-cache map. Subclasses keep the free blocks (see module doc)."""
+
+    medium = MEDIUM_DEVICE
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True, enable_kv_events: bool = False,
                  reserve_null_block: bool = True) -> None:
@@ -45,34 +90,80 @@ class BlockPool:
             self.null_block.ref_cnt = 1  # never free, never evicted
         self.num_usable_blocks = num_blocks - (1 if reserve_null_block else 0)
 
-    # -- the tier interface -------------------------------------------------------------------------
+    # -- the contract: what each pool implements ---------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
         raise NotImplementedError
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, plan: AllocationPlan | None = None) -> list[KVCacheBlock]:
         """Take `num_blocks` free blocks (evicting what they cached), each with ref_cnt 1."""
-        raise NotImplementedError
-
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """A hit: ref_cnt += 1, taking free blocks out of the free queue."""
-        raise NotImplementedError
-
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """ref_cnt -= 1; blocks reaching 0 become free, in the given order (first evicted first)."""
-        raise NotImplementedError
-
-    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
-        """Release blocks a later hit is unlikely to use, ahead of the request's others: with no cached
-        content they go to the front (reused first); with cached content, to the LRU tail in the given
-        order. Never ahead of never-used or empty blocks: evicting cached content while empty blocks
-        wait would lose hits for nothing (a shared prefix may end at any block, not only where this
-        request's likely hit points are)."""
         raise NotImplementedError
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (next evicted first)."""
         raise NotImplementedError
+
+    def _take_free(self, blk: KVCacheBlock) -> None:
+        """A free block (ref_cnt 0) is taken by a hit: out of the free structures."""
+        raise NotImplementedError
+
+    def _released(self, first: list[KVCacheBlock], last: list[KVCacheBlock],
+                  low: Sequence[KVCacheBlock] = ()) -> None:
+        """Blocks whose ref_cnt reached 0: `first` hold nothing and are reused before any cached block
+        (in the given order), `last` keep their cached content and are evicted by the policy (first
+        given first), `low` hold content no hit is likely to use: evicted after `first`, before `last`."""
+        raise NotImplementedError
+
+    def plan_groups(self, need: Sequence[int], skipped: Sequence[Sequence[KVCacheBlock]],
+                    hits: Sequence[Sequence[KVCacheBlock]]) -> AllocationPlan | None:
+        """Whether groups needing `need[g]` free blocks (new ones plus hits sitting free) fit once the
+        skipped blocks this request alone holds are released: the plan to follow, or None. Changes
+        nothing."""
+        releasable = sum(1 for sk in skipped for b in sk if b.ref_cnt == 1 and not b.is_null)
+        return _PLAN if sum(need) <= self.get_num_free_blocks() + releasable else None
+
+    # -- ref counting: one implementation for every pool ---------------------------------------------
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A hit: ref_cnt += 1, taking free blocks out of the free structures."""
+        for blk in blocks:
+            if blk.is_null:
+                continue
+            if blk.ref_cnt == 0:
+                self._take_free(blk)
+            blk.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """ref_cnt -= 1; blocks reaching 0 become free in the given order (first evicted first): those
+        holding no cached content as one batch at the front, the cached ones to the policy."""
+        first: list[KVCacheBlock] = []
+        last: list[KVCacheBlock] = []
+        for blk in ordered_blocks:
+            if blk.is_null:
+                continue
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                (first if blk.block_hash is None else last).append(blk)
+            elif blk.ref_cnt < 0:
+                raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
+        self._released(first, last)
+
+    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        """Release blocks a later hit is unlikely to use (a sliding window's blocks outside every window
+        that matters): evicted before any cached block a hit needs, first given first, but never ahead
+        of empty blocks (evicting content while empty blocks wait would lose hits for nothing: a shared
+        prefix may end at any block, not only where this request's likely hit points are)."""
+        first: list[KVCacheBlock] = []
+        low: list[KVCacheBlock] = []
+        for blk in ordered_blocks:
+            if blk.is_null:
+                continue
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                (first if blk.block_hash is None else low).append(blk)
+            elif blk.ref_cnt < 0:
+                raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
+        self._released(first, [], low)
 
     # -- shared -------------------------------------------------------------------------------------
 
@@ -85,32 +176,54 @@ class BlockPool:
 
     def cache_full_blocks(self, request: CacheRequest, blocks: Sequence[KVCacheBlock], num_cached: int,
                           num_full: int, block_size: int, group_id: int = 0) -> None:
-        """Give blocks [num_cached, num_full) of a request their hashes and enter them in the map."""
+        """Give blocks [num_cached, num_full) of a request their hashes and enter them in the map.
+
+        With events on, one `BlockStored` for the call (vLLM's shape): every block newly cached here in
+        chain order, duplicates of a hash already cached included, the parent being the hash of block
+        num_cached - 1, and the tokens of the whole range.
+        """
+        if num_full <= num_cached:
+            return
         hashes = request.block_hashes
         cached = self.cached
-        events = self.events if self.enable_kv_events else None
+        stored: list[bytes] | None = [] if self.enable_kv_events else None
+        extra: list[tuple[object, ...] | None] = []
+        observe = self._observe_cached
         for i in range(num_cached, num_full):
             blk = blocks[i]
             if blk.block_hash is not None or blk.is_null:
-                continue  # a prefix hit: already cached
+                continue  # a prefix hit (already cached), or a slot this layer type does not keep
             h = hashes[i] if group_id == 0 else group_key(hashes[i], group_id)
             blk.block_hash = h
             blk.group_id = group_id
             if h not in cached:
                 cached[h] = blk
-                if events is not None:
-                    events.append(BlockStored(
-                        block_hashes=[hashes[i]], parent_block_hash=hashes[i - 1] if i else None,
-                        token_ids=request.all_token_ids[i * block_size:(i + 1) * block_size],
-                        block_size=block_size, lora_id=request.lora_id,
-                        extra_keys=block_extra_keys(request, i * block_size, (i + 1) * block_size)
-                        if request.has_extra_keys else (),
-                        medium=self.medium, group_id=group_id))
             else:
                 self._dups.setdefault(h, []).append(blk)
+            if observe is not None:
+                parent = blocks[i - 1] if i else None
+                observe(blk, i, None if parent is None or parent.is_null else parent)
+            if stored is not None:
+                blk.token_ids = request.all_token_ids[i * block_size:(i + 1) * block_size]
+                blk.parent_hash = hashes[i - 1] if i else None
+                stored.append(hashes[i])
+                extra.append(block_extra_keys(request, i * block_size, (i + 1) * block_size) or None
+                             if request.has_extra_keys else None)
+        if stored is not None:
+            self.events.append(BlockStored(
+                block_hashes=stored, parent_block_hash=hashes[num_cached - 1] if num_cached else None,
+                token_ids=request.all_token_ids[num_cached * block_size:num_full * block_size],
+                block_size=block_size, lora_id=request.lora_id,
+                extra_keys=extra if any(e is not None for e in extra) else None,
+                medium=self.medium, group_id=group_id))
+
+    # The policy's `on_cached` when it observes (set by pools with a policy), else None.
+    _observe_cached: Callable[[KVCacheBlock, int, KVCacheBlock | None], None] | None = None
+    _observe_uncached: Callable[[KVCacheBlock], None] | None = None
 
     def _uncache(self, blk: KVCacheBlock) -> None:
-        """Drop a block's hash from the map (it is being reused for new content)."""
+        """Drop a block's hash from the map (it is being reused for new content). A duplicate copy
+        takes over the map entry; every copy that goes is a `BlockRemoved`, as in vLLM."""
         h = blk.block_hash
         assert h is not None
         blk.block_hash = None
@@ -122,14 +235,16 @@ class BlockPool:
                     del self._dups[h]
             else:
                 del self.cached[h]
-                if self.enable_kv_events:
-                    self.events.append(BlockRemoved(block_hashes=[raw_hash(h, blk.group_id)], medium=self.medium,
-                                                    group_id=blk.group_id))
         else:
             dups = self._dups[h]
             dups.remove(blk)
             if not dups:
                 del self._dups[h]
+        if self.enable_kv_events:
+            self.events.append(BlockRemoved(block_hashes=[raw_hash(h, blk.group_id)], medium=self.medium,
+                                            group_id=blk.group_id))
+        if self._observe_uncached is not None:
+            self._observe_uncached(blk)
         for listener in self.eviction_listeners:
             listener(blk, h)
 
@@ -143,6 +258,8 @@ class BlockPool:
     def forget_cached(self) -> None:
         """Drop every hash and map entry (the caller checked that no block is in use)."""
         for blk in self.blocks:
+            if blk.block_hash is not None and self._observe_uncached is not None:
+                self._observe_uncached(blk)
             blk.block_hash = None
         self.cached.clear()
         self._dups.clear()
@@ -196,56 +313,62 @@ class BlockPool:
             assert not self.cached, "prefix caching is off but blocks are cached"
 
 
+_PLAN = AllocationPlan()  # the plan of pools with one page size: nothing to carry
+
+
 class DeviceBlockPool(BlockPool):
-    """The device tier: LRU over cached free blocks, uncached free blocks reused first."""
+    """The device tier: free blocks in an eviction policy (LRU unless told otherwise)."""
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True, enable_kv_events: bool = False,
-                 reserve_null_block: bool = True) -> None:
+                 reserve_null_block: bool = True, eviction_policy: str | EvictionPolicy | None = None) -> None:
         super().__init__(num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events,
                          reserve_null_block=reserve_null_block)
-        self.free_block_queue = FreeBlockQueue(b for b in self.blocks if not b.is_null)
+        self.policy: EvictionPolicy = make_policy(eviction_policy)
+        if self.policy.num_free_blocks:
+            raise ValueError("eviction_policy: give the pool a fresh policy (this one already holds blocks)")
+        # In block-id order: the first allocations take the lowest ids (the seeds' examples rely on it).
+        self.policy.prepend_n([b for b in self.blocks if not b.is_null])
+        # The hot paths call the policy's observation hooks only when it has any (LRU has none).
+        self._observes = self.policy.observes
+        if self._observes:
+            self._observe_cached = self.policy.on_cached
+            self._observe_uncached = self.policy.on_uncached
+
+    @property
+    def free_block_queue(self) -> EvictionPolicy:
+        """The free blocks (the policy holds them); kept under the seeds' name for tests and tools."""
+        return self.policy
 
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
+        return self.policy.num_free_blocks
 
     def free_block_ids(self) -> list[int]:
-        return self.free_block_queue.block_ids()
+        return [b.block_id for b in self.policy]
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, plan: AllocationPlan | None = None) -> list[KVCacheBlock]:
         if num_blocks == 0:
             return []
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        blocks = self.policy.popleft_n(num_blocks)
         for blk in blocks:
             if blk.block_hash is not None:
                 self._uncache(blk)
             blk.ref_cnt = 1
         return blocks
 
+    def _take_free(self, blk: KVCacheBlock) -> None:
+        self.policy.remove(blk)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        remove = self.free_block_queue.remove
-        for blk in blocks:
-            if blk.ref_cnt == 0:
-                remove(blk)
-                blk.ref_cnt = 1
-            elif not blk.is_null:
-                blk.ref_cnt += 1
+        if self._observes:
+            blocks = list(blocks)
+            self.policy.on_touch(blocks)
+        super().touch(blocks)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        q = self.free_block_queue
-        for blk in ordered_blocks:
-            if blk.is_null:
-                continue
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                if blk.block_hash is not None:
-                    q.append(blk)
-                else:
-                    q.appendleft(blk)
-            elif blk.ref_cnt < 0:
-                raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
-
-    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
-        cached = [b for b in ordered_blocks if b.block_hash is not None]
-        empty = [b for b in ordered_blocks if b.block_hash is None]
-        self.free_blocks(cached)  # to the tail, in order
-        self.free_blocks(reversed(empty))  # each to the front: reversed, so the first given is first
+    def _released(self, first: list[KVCacheBlock], last: list[KVCacheBlock],
+                  low: Sequence[KVCacheBlock] = ()) -> None:
+        if first:
+            self.policy.prepend_n(first)
+        if low:
+            self.policy.append_low_n(low)
+        if last:
+            self.policy.append_n(last)

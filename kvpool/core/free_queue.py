@@ -3,12 +3,15 @@
 Its order is the eviction order: new blocks are taken from the head. Freed blocks that hold cached
 content go to the tail (least recently used first); freed blocks with nothing cached go to the head,
 so they are reused before any cached block is evicted. A prefix hit on a free block removes it from
-the middle. All operations are O(1) and allocate nothing: the links live on the blocks themselves.
+the middle. All operations are O(1) per block and allocate nothing: the links live on the blocks.
+
+This queue is also the LRU eviction policy (`kvpool.core.eviction`): the operations below are that
+contract, which every policy implements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvpool.core.block import KVCacheBlock
 
@@ -74,6 +77,26 @@ class FreeBlockQueue:
         block.prev_free = self._head
         self._head.next_free = block
         self.num_free_blocks += 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Append blocks at the tail in the given order (the first given is evicted first of them)."""
+        for b in blocks:
+            self.append(b)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put blocks at the head as one batch in the given order: afterwards the first given is the
+        next one taken (vLLM's order; inserting them one by one at the head would reverse them)."""
+        if not blocks:
+            return
+        first = self._head.next_free
+        prev = self._head
+        for b in blocks:
+            prev.next_free = b
+            b.prev_free = prev
+            prev = b
+        prev.next_free = first
+        first.prev_free = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
 
     def __len__(self) -> int:
         return self.num_free_blocks

@@ -10,12 +10,14 @@ whose `num_blocks` counts large pages.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.core.block import KVCacheBlock
-from kvpool.core.block_pool import BlockPool, DeviceBlockPool
+from kvpool.core.block_pool import AllocationPlan, BlockPool, DeviceBlockPool, TierPool
 from kvpool.core.events import KVCacheEvent
 from kvpool.core.host_pool import HostBlockPool
+from kvpool.core.host_tier import HostTier, split_host_pages
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kvpool.core.request import CacheRequest
 from kvpool.core.single_type_manager import (
@@ -32,19 +34,22 @@ from kvpool.core.two_level_pool import TwoLevelBlockPool
 class KVCacheBlocks:
     """Blocks per group: `blocks[g]` is the list for layer group g.
 
-    From a lookup, `host_blocks` are the hits found in the host tier after the device hits: the
-    allocation gives each a device block and schedules the copy.
+    From a lookup, a list may hold host-tier blocks (`on_host`) where the device tier had no copy: the
+    allocation gives each a device block and schedules the copy. `get_block_ids` lists device blocks.
     """
 
-    __slots__ = ("blocks", "host_blocks")
+    __slots__ = ("blocks",)
 
-    def __init__(self, blocks: tuple[list[KVCacheBlock], ...], host_blocks: list[KVCacheBlock] | None = None
-                 ) -> None:
+    def __init__(self, blocks: tuple[list[KVCacheBlock], ...]) -> None:
         self.blocks = blocks
-        self.host_blocks = host_blocks or []
+
+    @property
+    def host_blocks(self) -> list[KVCacheBlock]:
+        """The host-tier hits of the first group (single-group models: the chain past the device hits)."""
+        return [b for b in self.blocks[0] if b.on_host] if self.blocks else []
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([b.block_id for b in group if not b.on_host] for group in self.blocks)
 
     def __len__(self) -> int:
         return len(self.blocks[0]) if self.blocks else 0
@@ -64,9 +69,12 @@ class KVCacheManager:
         specs: Sequence[KVCacheSpec] | None = None,
         page_sizes: Sequence[int] | None = None,
         block_pool: BlockPool | None = None,
+        eviction_policy: str | None = None,
         num_host_blocks: int = 0,
         host_eviction: str = "lru",
         write_through: bool = False,
+        state_retention_interval: int = 0,
+        state_retention_budget: int = 8,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
@@ -80,71 +88,95 @@ class KVCacheManager:
             raise ValueError(f"page_sizes: {len(page_sizes)} sizes for {len(self.specs)} groups")
         self._two_level: TwoLevelBlockPool | None = None
         if block_pool is None and page_sizes is not None and len(set(page_sizes)) > 1:
+            if eviction_policy not in (None, "lru"):
+                # Its order is an LRU over large pages across page types (see two_level_pool).
+                raise ValueError(f"eviction_policy: pages of several sizes (a two-level pool) evict LRU only, "
+                                 f"got {eviction_policy!r}")
             # Pages of different sizes: num_blocks counts large pages (see two_level_pool).
             self._two_level = TwoLevelBlockPool(num_blocks, page_sizes, enable_caching=enable_caching,
                                                 enable_kv_events=enable_kv_events)
-        self.block_pool = block_pool or self._two_level or DeviceBlockPool(
-            num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events)
+        self.block_pool: TierPool = block_pool or self._two_level or DeviceBlockPool(
+            num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events,
+            eviction_policy=eviction_policy)
         self.num_blocks = self.block_pool.num_blocks
+        # Per group, the page type its blocks come from (always 0 unless the pool is two-level).
+        self.page_type = list(self._two_level.group_types) if self._two_level else [0] * len(self.specs)
+        device_pools: list[BlockPool] = (list(self._two_level.types) if self._two_level
+                                         else [self.block_pool])  # type: ignore[list-item]
         self.managers: list[SingleTypeKVCacheManager] = [
-            make_manager(s, self._two_level.view(g) if self._two_level else self.block_pool, g)
-            for g, s in enumerate(self.specs)]
+            make_manager(s, device_pools[self.page_type[g]], g) for g, s in enumerate(self.specs)]
         self.num_groups = len(self.managers)
         self._has_state_groups = any(isinstance(m, MambaManager) for m in self.managers)
+        if state_retention_interval < 0 or state_retention_budget < 0:
+            raise ValueError("state_retention_interval: must be >= 0 blocks (and the budget >= 0)")
+        # States kept at every interval-th block boundary of a prompt (the scheduler ends chunks there).
+        self.state_retention_interval = state_retention_interval if self._has_state_groups and enable_caching else 0
+        for m in self.managers:
+            if isinstance(m, MambaManager):
+                m.retention_interval = self.state_retention_interval
+                m.retention_budget = state_retention_budget
         # The hot path serves one full-attention group; other layer types release blocks as they go.
         self._single = self.managers[0] if self.num_groups == 1 and isinstance(self.managers[0],
                                                                                FullAttentionManager) else None
         self.stats = PrefixCacheStats()
+        # Holders of block references besides requests (e.g. `kvpool.core.pins.PinSet.held_blocks`),
+        # for the integrity check.
+        self.external_holders: list[Callable[[], Iterable[KVCacheBlock]]] = []
         self._interval_stats = PrefixCacheStats()
         self._empty = KVCacheBlocks(tuple([] for _ in self.managers))
-        self._swap_plan = SwapPlan()
         self.swap_stats = SwapStats()
-        self.host_pool: HostBlockPool | None = None
+        self.host: HostTier | None = None
         self.write_through = write_through
         if num_host_blocks > 0 and enable_caching:
-            if self.num_groups > 1:
-                raise ValueError("num_host_blocks: the host tier supports one layer group for now")
-            if not isinstance(self.managers[0], FullAttentionManager):
-                # Its lookup continues a chain of consecutive blocks: full attention's hit rule only.
-                raise ValueError("num_host_blocks: the host tier supports full-attention layers only for now")
-            self.host_pool = HostBlockPool(num_host_blocks, eviction=host_eviction,
-                                           enable_kv_events=enable_kv_events)
-            self.block_pool.eviction_listeners.append(self._shelter)
-        # Host blocks taking part in this step's copies, unpinned once the plan is handed out; and
-        # write-through copies, which can only run once this step's forward has computed them.
-        self._pinned_host: list[KVCacheBlock] = []
-        self._next_swap_out: list[tuple[int, int]] = []
-        self._next_pinned_host: list[KVCacheBlock] = []
+            per_type = (split_host_pages(num_host_blocks, [t.per_large for t in self._two_level.types])
+                        if self._two_level else [num_host_blocks])
+            # Cross-attention blocks are per request and never cached: nothing of theirs is sheltered,
+            # because nothing of theirs is ever evicted with a hash.
+            self.host = HostTier(device_pools, per_type, typed=self._two_level is not None,
+                                 eviction=host_eviction, enable_kv_events=enable_kv_events,
+                                 write_through=write_through, block_size=block_size)
+            for g, m in enumerate(self.managers):
+                m.host_cached = self.host.pools[self.page_type[g]].cached
+
+    @property
+    def host_pool(self) -> HostBlockPool | None:
+        """The host tier's pool of the first page type (the only one unless the pool is two-level)."""
+        return self.host.pools[0] if self.host is not None else None
+
+    @property
+    def _swap_plan(self) -> SwapPlan:
+        """The plan being built for the next step (tests read it)."""
+        return self.host._plan if self.host is not None else SwapPlan()
 
     # -- scheduling API -------------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: CacheRequest) -> tuple[KVCacheBlocks, int]:
-        """Longest cached prefix of full blocks, never the whole prompt. Changes no block's state."""
+        """Longest cached prefix of full blocks, never the whole prompt. Changes no block's state.
+
+        With a host tier the lookup continues there where the device has no copy; every group must
+        accept the hit, wherever its blocks are (a host hit is never a hit one group cannot serve).
+        """
         if not self.enable_caching:
             return self._empty_blocks(), 0
         num_tokens = len(request.all_token_ids)
         # The last token is always recomputed: its logits are needed to sample.
         max_blocks = (num_tokens - 1) // self.block_size
         if self.num_groups == 1:
+            # With a host tier, the lookup goes on there where the device has no copy.
             hit = self.managers[0].find_longest_cache_hit(request.block_hashes, max_blocks)
-            host_hit: list[KVCacheBlock] = []
-            if self.host_pool is not None:
-                # The lookup goes on in the host tier where the device chain stops.
-                hashes = request.block_hashes
-                get = self.host_pool.cached.get
-                for i in range(len(hit), min(max_blocks, len(hashes))):
-                    hb = get(hashes[i])
-                    if hb is None:
-                        break
-                    host_hit.append(hb)
-                self.stats.host_hits += len(host_hit) * self.block_size
-                self._interval_stats.host_hits += len(host_hit) * self.block_size
-            num_hit = (len(hit) + len(host_hit)) * self.block_size
-            blocks = KVCacheBlocks((hit,), host_hit)
+            num_hit = len(hit)
+            num_host = sum(1 for b in hit if b.on_host) if self.host is not None else 0
+            blocks = KVCacheBlocks((hit,))
         else:
             hits, request.shared_prefix_blocks = self._hybrid_hit(request.block_hashes, max_blocks)
-            num_hit = max(len(h) for h in hits) * self.block_size
+            num_hit = max(len(h) for h in hits)
             blocks = KVCacheBlocks(hits)
+            # Positions some group copies from the host tier.
+            num_host = len({i for h in hits for i, b in enumerate(h) if b.on_host}) if self.host else 0
+        if num_host:
+            self.stats.host_hits += num_host * self.block_size
+            self._interval_stats.host_hits += num_host * self.block_size
+        num_hit *= self.block_size
         self.stats.record(num_tokens, num_hit)
         self._interval_stats.record(num_tokens, num_hit)
         return blocks, num_hit
@@ -203,14 +235,14 @@ class KVCacheManager:
                 if n > 0:
                     if n > self.block_pool.get_num_free_blocks():
                         return None
-                    new_blocks = self.block_pool.get_new_blocks(n)
+                    new_blocks = self.block_pool.get_new_blocks(n)  # type: ignore[call-arg]
                     table.extend(new_blocks)
                 if self.enable_caching and num_tokens // self.block_size > m.num_cached_block[rid]:
                     n_hashed = len(request.block_hashes) * self.block_size
                     before = m.num_cached_block[rid]
                     m.cache_blocks(request, num_tokens if num_tokens < n_hashed else n_hashed)
-                    if self.write_through and self.host_pool is not None:
-                        self._write_through(table[before:m.num_cached_block[rid]])
+                    if self.write_through and self.host is not None:
+                        self.host.write_through_blocks(0, table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
         if num_lookahead_tokens and self._has_state_groups:
@@ -218,39 +250,101 @@ class KVCacheManager:
         # Blocks that slid out of a window: released only if the allocation goes ahead (a failed one
         # changes nothing), but counted as free space when they are this request's alone.
         skipped = [m.skipped_blocks(rid, request.num_computed_tokens) for m in managers]
-        releasable = sum(1 for sk in skipped for b in sk if b.ref_cnt == 1)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty.blocks
-        host_hits = new_computed_blocks.host_blocks if new_computed_blocks is not None else []
         # Host hits need device blocks too: they are among the blocks the token count requires.
         need = [m.get_num_blocks_to_allocate(rid, m.num_slots(request, num_slots), hits[g])
                 for g, m in enumerate(managers)]
-        if self._two_level is not None:
-            if not self._two_level.can_allocate(need, skipped, hits):
-                return None
-        elif sum(need) > self.block_pool.get_num_free_blocks() + releasable:
+        plan = self.block_pool.plan_groups(need, skipped, hits)
+        if plan is None:
             return None
         # Every group releases, then every group takes its hits, then every group allocates: a group's
         # new blocks must neither miss the room another group frees nor evict another group's hit.
         for g, m in enumerate(managers):
             m.remove_skipped_blocks(rid, skipped[g])
-        for g, m in enumerate(managers):
-            m.save_new_computed_blocks(rid, hits[g], request.num_prompt_tokens, request.shared_prefix_blocks)
-            if host_hits:
-                self._swap_in(rid, m, host_hits)
-        new = [m.allocate_new_blocks(rid, m.num_slots(request, num_slots)) for m in managers]
+        if self.host is not None and any(b.on_host for h in hits for b in h):
+            self._take_hits_with_swap_ins(request, hits, plan)
+        else:
+            for g, m in enumerate(managers):
+                m.save_new_computed_blocks(rid, hits[g], request.num_prompt_tokens, request.shared_prefix_blocks)
+        new = [m.allocate_new_blocks(rid, m.num_slots(request, num_slots), plan) for m in managers]
         if self.enable_caching:
-            for m in managers:
+            for g, m in enumerate(managers):
                 before = m.num_cached_block[rid]
                 m.cache_blocks(request, num_tokens)  # each type caps it at the hashed blocks
-                if self.write_through and self.host_pool is not None:
-                    self._write_through(m.req_to_blocks[rid][before:m.num_cached_block[rid]])
+                if self.write_through and self.host is not None:
+                    table = m.req_to_blocks[rid]
+                    self.host.write_through_blocks(self.page_type[g], table[before:m.num_cached_block[rid]])
         return KVCacheBlocks(tuple(new))
 
+    def _take_hits_with_swap_ins(self, request: CacheRequest, hits: tuple[list[KVCacheBlock], ...],
+                                 plan: AllocationPlan) -> None:
+        """Take hits some of which are host copies: pin every host hit (no eviction this step may reuse
+        them), take every device hit (no allocation may evict them), then give each host hit a device
+        block, plan the copy and cache the block again under its hash."""
+        host = self.host
+        assert host is not None
+        rid = request.request_id
+        for g, h in enumerate(hits):
+            on_host = [b for b in h if b.on_host]
+            if on_host:
+                host.pin(self.page_type[g], on_host)
+        for g, m in enumerate(self.managers):
+            m.block_pool.touch([b for b in hits[g] if not b.on_host])
+        for g, m in enumerate(self.managers):
+            table = list(hits[g])
+            first = len(table)
+            for i, b in enumerate(table):
+                if b.on_host:
+                    first = min(first, i)
+                    (dst,) = m.block_pool.get_new_blocks(1, plan)
+                    host.swap_in(self.page_type[g], b, dst)
+                    table[i] = dst
+            m.save_new_computed_blocks(rid, table, request.num_prompt_tokens, request.shared_prefix_blocks,
+                                       touched=True)
+            if first < len(table):
+                # The copies land before the forward: the device blocks hold the content from now on.
+                m.block_pool.cache_full_blocks(request, table, first, len(table), self.block_size, g)
+
     def free(self, request: CacheRequest | str) -> None:
-        """Release a request's blocks, tail first. Safe to call for a request holding none."""
+        """Release a request's blocks, tail first. Safe to call for a request holding none.
+
+        With several groups, the blocks of all groups are released together, unit by unit: first
+        what only the request's last hit point needs (in every group), then what the point before it
+        needs, and so on. So eviction takes a whole usable prefix at a time from the end, and never
+        empties one group's chain while other groups keep blocks only that chain made useful.
+        """
         rid = request if isinstance(request, str) else request.request_id
+        if self.num_groups == 1:
+            self.managers[0].free(rid)
+            return
+        anchors: set[int] = set()
+        releases = []
         for m in self.managers:
-            m.free(rid)
+            low, keep, points = m.pop_release(rid)
+            releases.append((m, low, keep))
+            anchors.update(points)
+        bounds = sorted(anchors)
+        # Rank each kept block by the first hit point that needs it (blocks past every point rank as
+        # their own): later points first, tail first within a point, the group order last.
+        order: list[tuple[int, int, int, KVCacheBlock]] = []
+        for g, (m, low, keep) in enumerate(releases):
+            if low:
+                m.block_pool.free_blocks_to_front(low)
+            for i, b in keep:
+                k = bisect_right(bounds, i)
+                order.append((-(bounds[k] if k < len(bounds) else i + 1), -i, g, b))
+        order.sort(key=lambda e: e[:3])
+        pool: BlockPool | None = None
+        run: list[KVCacheBlock] = []
+        for _, _, g, b in order:
+            p = self.managers[g].block_pool
+            if p is not pool:
+                if pool is not None:
+                    pool.free_blocks(run)
+                pool, run = p, []
+            run.append(b)
+        if pool is not None:
+            pool.free_blocks(run)
 
     def end_schedule_step(self) -> SwapPlan:
         """The copies the runner must execute before this step's forward pass.
@@ -258,60 +352,27 @@ class KVCacheManager:
         Swap-outs first (a device block evicted this step may be a swap-in destination of the same
         step), then swap-ins; both before the forward reads the blocks.
         """
-        plan = self._swap_plan
-        if self.host_pool is not None:
-            # No allocation happens between here and the copies: the host blocks may be unpinned now.
-            self.host_pool.free_blocks(self._pinned_host)
-            self._pinned_host, self._next_pinned_host = self._next_pinned_host, []
-        self._swap_plan = SwapPlan(swap_out=self._next_swap_out)
-        self._next_swap_out = []
+        if self.host is None:
+            return SwapPlan()
+        plan = self.host.end_step()
         self.swap_stats.record(plan)
         return plan
-
-    # -- the host tier ---------------------------------------------------------------------------------
-
-    def _shelter(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Device eviction listener: copy the evicted block's content to the host tier."""
-        assert self.host_pool is not None
-        hb = self.host_pool.shelter(block_hash)
-        if hb is not None:
-            self._swap_plan.swap_out.append((block.block_id, hb.block_id))
-            self._pinned_host.append(hb)
-
-    def _swap_in(self, rid: str, m: SingleTypeKVCacheManager, host_hits: list[KVCacheBlock]) -> None:
-        assert self.host_pool is not None
-        self.host_pool.touch(host_hits)  # pinned: the copies read them before anything reuses them
-        self._pinned_host.extend(host_hits)
-        dst = self.block_pool.get_new_blocks(len(host_hits))
-        m.req_to_blocks[rid].extend(dst)
-        self._swap_plan.swap_in.extend((h.block_id, d.block_id) for h, d in zip(host_hits, dst, strict=True))
-
-    def _write_through(self, blocks: list[KVCacheBlock]) -> None:
-        """Eager mode: copy newly cached blocks to the host tier once they are computed (next plan)."""
-        assert self.host_pool is not None
-        for blk in blocks:
-            if blk.block_hash is None:
-                continue
-            hb = self.host_pool.shelter(blk.block_hash)
-            if hb is not None:
-                self._next_swap_out.append((blk.block_id, hb.block_id))
-                self._next_pinned_host.append(hb)
 
     # -- state and observability ----------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers))
+        return KVCacheBlocks(tuple(m.blocks_of(request_id) for m in self.managers))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+        return tuple([b.block_id for b in m.blocks_of(request_id)] for m in self.managers)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks, in every tier; refused (False) while any request holds blocks."""
-        if self.host_pool is not None and (self._pinned_host or self._next_pinned_host):
+        if self.host is not None and self.host.busy:
             return False
         if not self.block_pool.reset_prefix_cache():
             return False
-        return self.host_pool.reset_prefix_cache() if self.host_pool is not None else True
+        return self.host.reset() if self.host is not None else True
 
     @property
     def usage(self) -> float:
@@ -328,23 +389,23 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         events = self.block_pool.take_events()
-        return events + self.host_pool.take_events() if self.host_pool is not None else events
+        return events + self.host.take_events() if self.host is not None else events
 
     def check_integrity(self) -> None:
         """Assert the block-level invariants, including that each ref count equals its holders."""
         self.block_pool.check_integrity()
-        if self.host_pool is not None:
-            self.host_pool.check_integrity()
-            pins: dict[int, int] = {}
-            for b in self._pinned_host + self._next_pinned_host:
-                pins[b.block_id] = pins.get(b.block_id, 0) + 1
-            for b in self.host_pool.blocks:
-                assert b.ref_cnt == pins.get(b.block_id, 0), f"host block {b.block_id}: pins disagree"
+        if self.host is not None:
+            self.host.check_integrity()
         holders: dict[int, int] = {}  # by object: with two-level pages each type has its own block ids
+        for held in self.external_holders:  # references held outside requests (pinned prefixes)
+            for b in held():
+                holders[id(b)] = holders.get(id(b), 0) + 1
         for m in self.managers:
-            for rid, blocks in m.req_to_blocks.items():
-                assert m.num_cached_block[rid] <= len(blocks), f"{rid}: more cached blocks than blocks"
+            for rid in m.request_ids():
+                blocks = m.blocks_of(rid)
+                assert m.num_cached_blocks(rid) <= len(blocks), f"{rid}: more cached blocks than blocks"
                 for b in blocks:
+                    assert not b.on_host, f"{rid}: a host block in a block table"
                     if not b.is_null:
                         holders[id(b)] = holders.get(id(b), 0) + 1
         for b in self.block_pool.blocks:

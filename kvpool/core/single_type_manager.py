@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.core.block import BlockHash, KVCacheBlock, group_key
-from kvpool.core.block_pool import BlockPool
+from kvpool.core.block_pool import AllocationPlan, BlockPool
 from kvpool.core.kv_cache_spec import (
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -43,6 +43,29 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already entered in the cache map.
         self.num_cached_block: dict[str, int] = {}
+        # The host tier's map for this group's page type, when there is a host tier: lookups continue
+        # there for blocks the device tier no longer holds.
+        self.host_cached: dict[BlockHash, KVCacheBlock] | None = None
+
+    def lookup(self, key: BlockHash) -> KVCacheBlock | None:
+        """The device block caching `key`, else the host tier's copy, else None."""
+        blk = self.block_pool.cached.get(key)
+        if blk is None and self.host_cached is not None:
+            blk = self.host_cached.get(key)
+        return blk
+
+    # -- what the coordinator reads ----------------------------------------------------------------------
+
+    def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
+        """A copy of the request's block table in this group (empty if it holds none)."""
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    def request_ids(self) -> list[str]:
+        return list(self.req_to_blocks)
+
+    def num_cached_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request entered in the cache map."""
+        return self.num_cached_block.get(request_id, 0)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
                                ) -> list[KVCacheBlock]:
@@ -63,12 +86,15 @@ class SingleTypeKVCacheManager:
         if n < 0:
             n = 0
         for blk in new_computed_blocks:
-            if blk.ref_cnt == 0:
+            # A free device hit leaves the free queue; a host hit needs a device block to land in.
+            if blk.ref_cnt == 0 or blk.on_host:
                 n += 1
         return n
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
-                                 num_prompt_tokens: int = 0, shared_prefix_blocks: int = 0) -> None:
+                                 num_prompt_tokens: int = 0, shared_prefix_blocks: int = 0,
+                                 touched: bool = False) -> None:
+        """Put the hits at the head of the request's table (taking them, unless `touched` already)."""
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request_id] = []
@@ -77,7 +103,8 @@ class SingleTypeKVCacheManager:
         if new_computed_blocks:
             if blocks:
                 raise ValueError(f"request {request_id}: prefix hits must come before its first block")
-            self.block_pool.touch(new_computed_blocks)
+            if not touched:
+                self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request_id] = len(new_computed_blocks)
 
@@ -85,12 +112,13 @@ class SingleTypeKVCacheManager:
                       shared_prefix_blocks: int = 0) -> None:
         """A request's first allocation in this group (types with eviction preferences note anchors)."""
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, plan: AllocationPlan | None = None
+                            ) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks[request_id]
         n = -(-num_tokens // self.block_size) - len(blocks)
         if n <= 0:
             return []
-        new = self.block_pool.get_new_blocks(n)
+        new = self.block_pool.get_new_blocks(n, plan)
         blocks.extend(new)
         return new
 
@@ -121,15 +149,38 @@ class SingleTypeKVCacheManager:
             # Tail first: the end of a chain is evicted before its head.
             self.block_pool.free_blocks(reversed(blocks))
 
+    def pop_release(self, request_id: str
+                    ) -> tuple[list[KVCacheBlock], list[tuple[int, KVCacheBlock]], tuple[int, ...]]:
+        """Forget the request and say how its blocks should be released, without releasing them (the
+        coordinator orders several groups' releases together): blocks no hit will use, blocks worth
+        keeping with their table index, and the boundaries (in blocks) where a later hit is likely."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        num_full = self.num_cached_block.pop(request_id, 0)
+        if not blocks:
+            return [], [], ()
+        return [], [(i, b) for i, b in enumerate(blocks) if not b.is_null], (num_full,)
+
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
                                ) -> list[KVCacheBlock]:
+        if self.host_cached is not None:
+            return self._hit_with_host(block_hashes, max_num_blocks)
         get = self.block_pool.cached.get
         g = self.group_id
         hit: list[KVCacheBlock] = []
         for i in range(min(max_num_blocks, len(block_hashes))):
             blk = get(block_hashes[i] if g == 0 else group_key(block_hashes[i], g))
+            if blk is None:
+                break
+            hit.append(blk)
+        return hit
+
+    def _hit_with_host(self, block_hashes: Sequence[BlockHash], max_num_blocks: int) -> list[KVCacheBlock]:
+        lookup, g = self.lookup, self.group_id
+        hit: list[KVCacheBlock] = []
+        for i in range(min(max_num_blocks, len(block_hashes))):
+            blk = lookup(block_hashes[i] if g == 0 else group_key(block_hashes[i], g))
             if blk is None:
                 break
             hit.append(blk)
@@ -157,13 +208,19 @@ class _AnchoredManager(SingleTypeKVCacheManager):
         """Whether block `index` is what a hit at one of `boundaries` needs."""
         raise NotImplementedError
 
+    def keeps_for(self, request_id: str, index: int, boundaries: Sequence[int]) -> bool:
+        """`keeps`, for a block of this request (types that retain more per request override it)."""
+        return self.keeps(index, boundaries)
+
     def release(self, request_id: str, indexed: list[tuple[int, KVCacheBlock]], at_end: int | None) -> None:
         """Free blocks (given oldest first): usable ones to the tail, the rest to the front."""
         bounds = self.anchors.get(request_id, ())
         if at_end is not None:
             bounds = (*bounds, at_end)
-        keep = [b for i, b in indexed if self.keeps(i, bounds)]
-        drop = [b for i, b in indexed if not self.keeps(i, bounds)]
+        keep: list[KVCacheBlock] = []
+        drop: list[KVCacheBlock] = []
+        for i, b in indexed:
+            (keep if self.keeps_for(request_id, i, bounds) else drop).append(b)
         if drop:
             self.block_pool.free_blocks_to_front(drop)
         if keep:
@@ -175,7 +232,27 @@ class _AnchoredManager(SingleTypeKVCacheManager):
         num_full = self.num_cached_block.pop(request_id, 0)
         if blocks:
             self.release(request_id, [(i, b) for i, b in enumerate(blocks) if not b.is_null], num_full)
+        self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the per-request state beyond the table (anchors, and the subclasses' own)."""
         self.anchors.pop(request_id, None)
+
+    def pop_release(self, request_id: str
+                    ) -> tuple[list[KVCacheBlock], list[tuple[int, KVCacheBlock]], tuple[int, ...]]:
+        blocks = self.req_to_blocks.pop(request_id, None)
+        num_full = self.num_cached_block.pop(request_id, 0)
+        bounds = (*self.anchors.get(request_id, ()), num_full)
+        low: list[KVCacheBlock] = []
+        keep: list[tuple[int, KVCacheBlock]] = []
+        for i, b in enumerate(blocks or ()):
+            if not b.is_null:
+                if self.keeps_for(request_id, i, bounds):
+                    keep.append((i, b))
+                else:
+                    low.append(b)
+        self.forget(request_id)
+        return low, keep, bounds if blocks else ()
 
 
 class SlidingWindowManager(_AnchoredManager):
@@ -200,9 +277,10 @@ class SlidingWindowManager(_AnchoredManager):
         null = pool.null_block
         assert null is not None, "sliding-window tables need the null block"
         need = self.spec.window_blocks
+        get = pool.cached.get if self.host_cached is None else self.lookup
         run: list[KVCacheBlock] = []  # cached blocks found so far, last one first
         for i in range(min(max_num_blocks, len(block_hashes)) - 1, -1, -1):
-            blk = pool.cached.get(group_key(block_hashes[i], g))
+            blk = get(group_key(block_hashes[i], g))
             if blk is None:
                 run = []
                 continue
@@ -246,14 +324,20 @@ class SlidingWindowManager(_AnchoredManager):
             blocks[i] = null
         self.release(request_id, indexed, None)
 
-    def free(self, request_id: str) -> None:
-        super().free(request_id)
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
         self._scanned.pop(request_id, None)
         self._scan_to.pop(request_id, None)
 
 
 class MambaManager(_AnchoredManager):
     """A state per request; block j's page holds the state after the tokens of blocks 0..j.
+
+    Retention: besides the states at its anchors, a request holds the cached states at every
+    `retention_interval`-th boundary (the latest `retention_budget` of them) until it is freed, and then
+    releases them as hit points of their own; so a later prompt that branches off a long prompt at an
+    earlier point still finds a state at most one interval before the branch (the idea of vLLM PR 45845).
+    The scheduler ends prefill chunks on those boundaries so that the states exist.
 
     The runner reads the request's current state from the page of the block holding its last computed
     token and writes the state at the end of the scheduled tokens into the page of the block holding
@@ -269,13 +353,37 @@ class MambaManager(_AnchoredManager):
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
         super().__init__(spec, block_pool, group_id)
         self.held: dict[str, list[int]] = {}  # per request: indices of the real pages, oldest first
+        self.retention_interval = 0  # in blocks; 0: keep only the anchors' states
+        self.retention_budget = 0
+
+    def keeps_for(self, request_id: str, index: int, boundaries: Sequence[int]) -> bool:
+        r = self.retention_interval
+        return self.keeps(index, boundaries) or bool(r and (index + 1) % r == 0)
+
+    def _retained(self, request_id: str, held: Sequence[int], current: int) -> set[int]:
+        """Held pages before `current` that hold a retained state: the latest `retention_budget` cached
+        states at an interval boundary. They stay in the table until the request is freed, so they are
+        released with the prefix they make usable (not earlier, to be evicted on their own)."""
+        r = self.retention_interval
+        if not r or not self.retention_budget:
+            return set()
+        blocks = self.req_to_blocks[request_id]
+        mine = [i for i in held if i < current and (i + 1) % r == 0 and blocks[i].block_hash is not None]
+        return set(mine[-self.retention_budget:])
+
+    def pop_release(self, request_id: str
+                    ) -> tuple[list[KVCacheBlock], list[tuple[int, KVCacheBlock]], tuple[int, ...]]:
+        low, keep, bounds = super().pop_release(request_id)
+        r = self.retention_interval
+        # A retained state is a hit point of its own: the coordinator releases the prefix up to it as a unit.
+        return low, keep, (*bounds, *(i + 1 for i, _ in keep if r and (i + 1) % r == 0))
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
                                ) -> list[KVCacheBlock]:
         pool, g = self.block_pool, self.group_id
         null = pool.null_block
         assert null is not None, "Mamba tables need the null block"
-        get = pool.cached.get
+        get = pool.cached.get if self.host_cached is None else self.lookup
         for i in range(min(max_num_blocks, len(block_hashes)) - 1, -1, -1):
             blk = get(group_key(block_hashes[i], g))
             if blk is not None:
@@ -290,25 +398,28 @@ class MambaManager(_AnchoredManager):
         blocks = self.req_to_blocks.get(request_id)
         have = (len(blocks) if blocks else 0) + len(new_computed_blocks)
         n = 1 if -(-num_tokens // self.block_size) > have else 0  # one page for the output state
-        if new_computed_blocks and new_computed_blocks[-1].ref_cnt == 0:
+        if new_computed_blocks and (new_computed_blocks[-1].ref_cnt == 0 or new_computed_blocks[-1].on_host):
             n += 1
         return n
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
-                                 num_prompt_tokens: int = 0, shared_prefix_blocks: int = 0) -> None:
+                                 num_prompt_tokens: int = 0, shared_prefix_blocks: int = 0,
+                                 touched: bool = False) -> None:
         fresh = request_id not in self.req_to_blocks
-        super().save_new_computed_blocks(request_id, new_computed_blocks, num_prompt_tokens, shared_prefix_blocks)
+        super().save_new_computed_blocks(request_id, new_computed_blocks, num_prompt_tokens, shared_prefix_blocks,
+                                         touched)
         if fresh:
             self.held[request_id] = [len(new_computed_blocks) - 1] if new_computed_blocks else []
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, plan: AllocationPlan | None = None
+                            ) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks[request_id]
         n = -(-num_tokens // self.block_size) - len(blocks)
         if n <= 0:
             return []
         null = self.block_pool.null_block
         assert null is not None
-        new = [null] * (n - 1) + self.block_pool.get_new_blocks(1)
+        new = [null] * (n - 1) + self.block_pool.get_new_blocks(1, plan)
         blocks.extend(new)
         self.held[request_id].append(len(blocks) - 1)
         return new
@@ -331,7 +442,8 @@ class MambaManager(_AnchoredManager):
             return []
         current = (num_computed_tokens - 1) // self.block_size  # the page holding the input state
         blocks = self.req_to_blocks[request_id]
-        return [blocks[i] for i in reversed(held) if i < current]
+        keep = self._retained(request_id, held, current)
+        return [blocks[i] for i in reversed(held) if i < current and i not in keep]
 
     def remove_skipped_blocks(self, request_id: str, skipped: list[KVCacheBlock]) -> None:
         if not skipped:
@@ -347,8 +459,8 @@ class MambaManager(_AnchoredManager):
         self.held[request_id] = [i for i in held if i not in gone]
         self.release(request_id, indexed, None)
 
-    def free(self, request_id: str) -> None:
-        super().free(request_id)
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
         self.held.pop(request_id, None)
 
 
@@ -371,10 +483,15 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         """Encoder KV is not prefix-cached."""
 
     def free(self, request_id: str) -> None:
+        low, _, _ = self.pop_release(request_id)
+        if low:
+            self.block_pool.free_blocks_to_front(low)
+
+    def pop_release(self, request_id: str
+                    ) -> tuple[list[KVCacheBlock], list[tuple[int, KVCacheBlock]], tuple[int, ...]]:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
-        if blocks:
-            self.block_pool.free_blocks_to_front(blocks)
+        return list(blocks or ()), [], ()
 
 
 MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {

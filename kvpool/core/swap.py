@@ -12,9 +12,13 @@ class SwapPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (host block id, device block id): copy host -> device.
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Two-level pools (pages of several sizes): the same copies as (page type, src, dst), page type t
+    # being the t-th smallest page size; block ids are per page type. Swap-outs again run first.
+    typed_out: list[tuple[int, int, int]] = field(default_factory=list)
+    typed_in: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in)
+        return bool(self.swap_out or self.swap_in or self.typed_out or self.typed_in)
 
 
 @dataclass(slots=True)
@@ -28,7 +32,8 @@ class SwapStats:
     steps_with_swaps: int = 0
 
     def record(self, plan: SwapPlan) -> None:
-        self.last_out, self.last_in = len(plan.swap_out), len(plan.swap_in)
+        self.last_out = len(plan.swap_out) + len(plan.typed_out)
+        self.last_in = len(plan.swap_in) + len(plan.typed_in)
         self.blocks_out += self.last_out
         self.blocks_in += self.last_in
         self.steps_with_swaps += bool(plan)

@@ -19,7 +19,7 @@ comes from, in this order:
 
 So the LRU runs over cached pages of all types at large-page granularity, and within a type over its
 small pages. Using partly used large pages first keeps a type's pages packed (less fragmentation) and
-makes the room check exact: `can_allocate` computes, without changing anything, how many whole large
+makes the room check exact: `plan_groups` computes, without changing anything, how many whole large
 pages each type would need after this allocation's releases and hits, and the allocation takes
 exactly those; so a failed allocation changes nothing and an accepted one never runs out midway.
 """
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from kvpool.core.block import KVCacheBlock
-from kvpool.core.block_pool import BlockPool
+from kvpool.core.block_pool import AllocationPlan, BlockPool
 from kvpool.core.events import KVCacheEvent
 from kvpool.core.free_queue import FreeBlockQueue
 
@@ -68,13 +68,13 @@ class SmallPagePool(BlockPool):
     def free_block_ids(self) -> list[int]:
         return self.free_block_queue.block_ids()
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, plan: AllocationPlan | None = None) -> list[KVCacheBlock]:
         out = []
         parent, q = self.parent, self.free_block_queue
         for _ in range(num_blocks):
             if q.num_free_blocks == 0:
                 parent.take_large_page(self)
-            elif parent.spare > 0:
+            elif plan is not None and plan.spare > 0:
                 head = next(iter(q))
                 stamp = self.stamp[head.block_id]
                 oldest = parent.oldest_parked_recency()
@@ -82,7 +82,7 @@ class SmallPagePool(BlockPool):
                     # One LRU over all types: a wholly free large page used less recently than this
                     # type's next victim goes first (unless the victim was released to the front:
                     # then it goes first, and the type's large pages stay packed).
-                    parent.spare -= 1
+                    plan.spare -= 1
                     parent.take_large_page(self)
             blk = q.popleft()
             if blk.block_hash is not None:
@@ -92,35 +92,26 @@ class SmallPagePool(BlockPool):
             out.append(blk)
         return out
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for blk in blocks:
-            if blk.is_null:
-                continue
-            if blk.ref_cnt == 0:
-                lp = self.large_page(blk)
-                if self.parent.used[lp] == 0:
-                    self.parent.unpark(self, lp)
-                self.free_block_queue.remove(blk)
-                self.parent.used[lp] += 1
-            blk.ref_cnt += 1
+    def _take_free(self, blk: KVCacheBlock) -> None:
+        lp = self.large_page(blk)
+        if self.parent.used[lp] == 0:
+            self.parent.unpark(self, lp)
+        self.free_block_queue.remove(blk)
+        self.parent.used[lp] += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        for blk in ordered_blocks:
+    def _released(self, first: list[KVCacheBlock], last: list[KVCacheBlock],
+                  low: Sequence[KVCacheBlock] = ()) -> None:
+        # Low-value pages go to the front like empty ones: a type's queue is short and its large pages
+        # stay packed (the whole-page LRU across types ranks them by their most recent cached page).
+        for blk in reversed([*first, *low]):  # each to the front: reversed, so the first given ends up first
+            self._release(blk, front=True)
+        for blk in last:
             self._release(blk, front=False)
 
-    def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
-        for blk in reversed(ordered_blocks):  # appendleft reverses: the first given ends up first
-            self._release(blk, front=True)
-
     def _release(self, blk: KVCacheBlock, front: bool) -> None:
-        if blk.is_null:
-            return
-        blk.ref_cnt -= 1
-        if blk.ref_cnt > 0:
-            return
-        if blk.ref_cnt < 0:
-            raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
-        if blk.block_hash is not None and not front:
+        """A page whose ref_cnt reached 0 goes to this type's free queue (its large page to the parent
+        once every page of it is free)."""
+        if not front:
             self.parent.clock += 1
             self.stamp[blk.block_id] = self.parent.clock
             self.free_block_queue.append(blk)
@@ -152,7 +143,6 @@ class TwoLevelBlockPool:
         self.owner: list[int | None] = [None] * num_large_pages
         self.used = [0] * num_large_pages  # small pages with ref_cnt > 0, per large page
         self.clock = 0
-        self.spare = 0  # set by can_allocate for the allocation that follows
         # Wholly free large pages: heap of (recency, version, large page); an entry is stale when the
         # page's version moved on (it was taken, or freed again with another recency).
         self.version = [0] * num_large_pages
@@ -218,10 +208,11 @@ class TwoLevelBlockPool:
         for b in reversed(pool.pages_of(lp)):  # ascending ids at the head
             pool.free_block_queue.appendleft(b)
 
-    def can_allocate(self, need: Sequence[int], skipped: Sequence[Sequence[KVCacheBlock]],
-                     hits: Sequence[Sequence[KVCacheBlock]]) -> bool:
+    def plan_groups(self, need: Sequence[int], skipped: Sequence[Sequence[KVCacheBlock]],
+                    hits: Sequence[Sequence[KVCacheBlock]]) -> AllocationPlan | None:
         """Whether groups needing `need[g]` free pages (new ones plus free hits) fit once the skipped
-        pages this request alone holds are released and the hits taken. Changes nothing."""
+        pages this request alone holds are released and the hits taken: the plan the allocation then
+        follows, or None. Changes nothing."""
         used: dict[int, int] = {}
         queued = [t.free_block_queue.num_free_blocks for t in self.types]
         new = [0] * len(self.types)
@@ -242,8 +233,8 @@ class TwoLevelBlockPool:
         for g, blocks in enumerate(hits):
             t = self.view(g)
             for b in blocks:
-                if b.ref_cnt != 0 or b.is_null:
-                    continue
+                if b.ref_cnt != 0 or b.is_null or b.on_host:
+                    continue  # host hits need a new page: counted in `need` and left there
                 lp = t.large_page(b)
                 u = used.get(lp, self.used[lp])
                 if u == 0:
@@ -253,9 +244,10 @@ class TwoLevelBlockPool:
                 queued[t.type_id] -= 1
                 new[t.type_id] -= 1
         wanted = sum(-(-max(0, new[t.type_id] - queued[t.type_id]) // t.per_large) for t in self.types)
+        if wanted > parked:
+            return None
         # Large pages beyond the need: a type may open one rather than evict a more recent page of its own.
-        self.spare = parked - wanted
-        return wanted <= parked
+        return AllocationPlan(spare=parked - wanted)
 
     # -- what KVCacheManager asks of its pool -------------------------------------------------------
 

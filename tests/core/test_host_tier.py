@@ -97,19 +97,20 @@ def test_host_lru_order_exact() -> None:
 
 def test_host_arc_keeps_frequently_used_blocks() -> None:
     h = HostBlockPool(3, eviction="arc")
+    arc_policy = h.policy
     blocks = [h.shelter(b"a"), h.shelter(b"b"), h.shelter(b"c")]
     h.free_blocks(blocks)
     h.touch([h.cached[b"a"]])  # a swap-in reads "a": it becomes frequent (t2)
     h.free_blocks([h.cached[b"a"]])
-    assert list(h.t1) == [b"b", b"c"] and list(h.t2) == [b"a"]
+    assert list(arc_policy.t1) == [b"b", b"c"] and list(arc_policy.t2) == [b"a"]
     d = h.shelter(b"d")  # evicts the LRU of t1 ("b"), not "a"
     h.free_blocks([d])
-    assert set(h.cached) == {b"a", b"c", b"d"} and list(h.b1) == [b"b"]
+    assert set(h.cached) == {b"a", b"c", b"d"} and list(arc_policy.b1) == [b"b"]
     e = h.shelter(b"b")  # a ghost hit: "b" was evicted too early, t1's target grows; it enters t2
     h.free_blocks([e])
-    assert h.p == 1 and list(h.t2) == [b"a", b"b"] and list(h.t1) == [b"d"]
+    assert arc_policy.p == 1 and list(arc_policy.t2) == [b"a", b"b"] and list(arc_policy.t1) == [b"d"]
     assert e.block_id == blocks[2].block_id  # "c" (LRU of t1, now above its target) made room
-    assert set(h.cached) == {b"a", b"b", b"d"} and list(h.b1) == [b"c"]
+    assert set(h.cached) == {b"a", b"b", b"d"} and list(arc_policy.b1) == [b"c"]
     h.check_integrity()
     # The difference from LRU shows on a scan of new hashes: LRU flushes everything, ARC keeps t2.
     lru = HostBlockPool(3)

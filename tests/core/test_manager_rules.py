@@ -201,11 +201,11 @@ def test_kv_events() -> None:
     a = make_request("a", list(range(9)), bs, lora_id=7)
     schedule(mgr, a)
     ev = mgr.take_events()
-    assert [type(e) for e in ev] == [BlockStored, BlockStored]
-    assert ev[0].block_hashes == [a.block_hashes[0]] and ev[0].parent_block_hash is None
-    assert ev[1].parent_block_hash == a.block_hashes[0]
-    assert ev[1].token_ids == [4, 5, 6, 7] and ev[1].block_size == 4
-    assert ev[1].lora_id == 7 and ev[1].extra_keys == (("lora", 7),)
+    # vLLM's shape: one BlockStored for the allocation, every newly cached hash in chain order.
+    assert [type(e) for e in ev] == [BlockStored]
+    assert ev[0].block_hashes == a.block_hashes[:2] and ev[0].parent_block_hash is None
+    assert ev[0].token_ids == list(range(8)) and ev[0].block_size == 4 and ev[0].medium == "GPU"
+    assert ev[0].lora_id == 7 and ev[0].extra_keys == [(("lora", 7),), (("lora", 7),)]
     assert mgr.take_events() == []
     mgr.free(a)
     b = make_request("b", list(range(50, 62)), bs)
@@ -216,6 +216,32 @@ def test_kv_events() -> None:
     mgr.free(b)
     assert mgr.reset_prefix_cache()
     assert isinstance(mgr.take_events()[-1], AllBlocksCleared)
+
+
+def test_kv_events_report_duplicates_and_the_parent_of_a_continuation() -> None:
+    bs = 4
+    mgr = KVCacheManager(10, bs, enable_kv_events=True)
+    a, b = make_request("a", list(range(8)), bs), make_request("b", list(range(8)), bs)
+    # Both admitted before either computed a block: b finds no hit and caches a second copy.
+    assert mgr.allocate_slots(a, 8) is not None and mgr.allocate_slots(b, 8) is not None
+    ev = mgr.take_events()
+    assert [e.block_hashes for e in ev] == [a.block_hashes[:2], a.block_hashes[:2]]
+    # A decode that fills the next block: the parent is the last block cached before.
+    a.num_computed_tokens = 8
+    for t in (1, 2, 3, 4):
+        a.append_output_token_ids(t)
+        assert mgr.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    (e,) = mgr.take_events()
+    assert e.block_hashes == [a.block_hashes[2]] and e.parent_block_hash == a.block_hashes[1]
+    assert e.token_ids == [1, 2, 3, 4]
+    mgr.free(a)
+    mgr.free(b)
+    # Evicting everything removes each copy with its own event, as vLLM reports them.
+    big = make_request("c", list(range(100, 136)), bs)
+    assert mgr.allocate_slots(big, 36) is not None
+    removed = [e.block_hashes[0] for e in mgr.take_events() if isinstance(e, BlockRemoved)]
+    assert sorted(removed) == sorted([*a.block_hashes[:3], *a.block_hashes[:2]])
 
 
 def test_preempted_request_rehits_its_own_blocks() -> None:
@@ -240,3 +266,27 @@ def test_bad_arguments_raise_value_errors() -> None:
     mgr = KVCacheManager(10, 4)
     with pytest.raises(ValueError, match="token counts"):
         mgr.allocate_slots(make_request("a", [1, 2], 4), -1)
+
+
+def test_blocks_freed_without_cached_content_go_to_the_front_in_the_order_given() -> None:
+    # vLLM's order: a request's blocks are freed tail first, and those holding nothing cached go to the
+    # front as one batch in that order, so the tail is reused first.
+    bs = 4
+    mgr = KVCacheManager(5, bs, enable_caching=False)
+    a = make_request("a", list(range(10)), bs)
+    assert mgr.allocate_slots(a, 10).get_block_ids() == ([1, 2, 3],)
+    mgr.free(a)
+    assert mgr.block_pool.free_block_ids() == [3, 2, 1, 4]
+    mgr.check_integrity()
+
+
+def test_free_order_with_caching_and_lookahead_slots() -> None:
+    bs = 4
+    mgr = KVCacheManager(6, bs)
+    a = make_request("a", list(range(10)), bs)
+    # 10 tokens + 3 lookahead slots: 4 blocks, the first 2 full and cached, the last 2 empty.
+    assert mgr.allocate_slots(a, 10, num_lookahead_tokens=3).get_block_ids() == ([1, 2, 3, 4],)
+    mgr.free(a)
+    # Empty blocks first (tail first, as freed), then the never-used one, then the cached chain, tail first.
+    assert mgr.block_pool.free_block_ids() == [4, 3, 5, 2, 1]
+    mgr.check_integrity()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.core.block import group_key
+from kvpool.core.eviction import policy_names
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -29,9 +30,11 @@ class PoolMachine(RuleBasedStateMachine):
     plan and forward on a content model, so a block labelled with a hash must really hold it."""
 
     num_encoder_tokens = 0
+    # The device tier's eviction policy (and the host tier's where a machine has one): None is LRU.
+    eviction_policy: str | None = None
 
     def make_manager(self) -> KVCacheManager:
-        return KVCacheManager(num_blocks=12, block_size=BS)
+        return KVCacheManager(num_blocks=12, block_size=BS, eviction_policy=self.eviction_policy)
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,13 +110,17 @@ class PoolMachine(RuleBasedStateMachine):
     @rule()
     def end_step(self) -> None:
         plan = self.mgr.end_schedule_step()
-        assert len({h for _, h in plan.swap_out}) == len(plan.swap_out)
-        assert len({d for _, d in plan.swap_in}) == len(plan.swap_in)
-        # The runner's order: every swap-out, then every swap-in, then the forward.
-        for d, h in plan.swap_out:
-            self.host[h] = self.dev.get((id(self.mgr.block_pool), d))
-        for h, d in plan.swap_in:
-            self.dev[(id(self.mgr.block_pool), d)] = self.host.get(h)
+        outs = [(0, d, h) for d, h in plan.swap_out] + plan.typed_out
+        ins = [(0, h, d) for h, d in plan.swap_in] + plan.typed_in
+        assert len({(t, h) for t, _, h in outs}) == len(outs)
+        assert len({(t, d) for t, _, d in ins}) == len(ins)
+        # The runner's order: every swap-out, then every swap-in, then the forward. Copies of page type
+        # t move between the t-th device page pool and the t-th host pool.
+        dev_pools = self.mgr.host.device_pools if self.mgr.host is not None else []
+        for t, d, h in outs:
+            self.host[(t, h)] = self.dev.get((id(dev_pools[t]), d))
+        for t, h, d in ins:
+            self.dev[(id(dev_pools[t]), d)] = self.host.get((t, h))
         for m in self.mgr.managers:
             if not m.caches_prefix:
                 continue  # encoder KV: written once, never looked up
@@ -138,16 +145,19 @@ class PoolMachine(RuleBasedStateMachine):
                 if b.block_hash is not None:
                     assert self.dev.get((id(pool), b.block_id)) == b.block_hash, (
                         f"device block {b.block_id} holds other content")
-        if self.mgr.host_pool is not None:
-            owed = {h for _, h in self.mgr._swap_plan.swap_out}  # write-through copies of the next step
-            for b in self.mgr.host_pool.blocks:
-                if b.block_hash is not None and b.block_id not in owed:
-                    assert self.host.get(b.block_id) == b.block_hash, f"host block {b.block_id} holds other content"
+        if self.mgr.host is not None:
+            nxt = self.mgr._swap_plan  # write-through copies owed by the next step
+            owed = {(0, h) for _, h in nxt.swap_out} | {(t, h) for t, _, h in nxt.typed_out}
+            for t, hp in enumerate(self.mgr.host.pools):
+                for b in hp.blocks:
+                    if b.block_hash is not None and (t, b.block_id) not in owed:
+                        assert self.host.get((t, b.block_id)) == b.block_hash, (
+                            f"host block {b.block_id} of page type {t} holds other content")
 
     @precondition(lambda self: not self.scheduled)
     @rule()
     def reset(self) -> None:
-        pinned = self.mgr.host_pool is not None and (self.mgr._pinned_host or self.mgr._next_pinned_host)
+        pinned = self.mgr.host is not None and self.mgr.host.busy
         ok = self.mgr.reset_prefix_cache()
         assert ok == (not self.running and not pinned)
         if ok:
@@ -163,8 +173,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.mgr.end_schedule_step()
         self.mgr.end_schedule_step()  # write-through copies owed from the last step
         self.mgr.check_integrity()
-        if self.mgr.host_pool is not None:
-            assert all(b.ref_cnt == 0 for b in self.mgr.host_pool.blocks), "a host block stayed pinned"
+        if self.mgr.host is not None:
+            assert all(b.ref_cnt == 0 for hp in self.mgr.host.pools for b in hp.blocks), "a host block stayed pinned"
         assert self.mgr.get_num_free_blocks() == self.mgr.block_pool.num_usable_blocks
         assert all(b.ref_cnt == 0 for b in self.mgr.block_pool.blocks if not b.is_null)
 
@@ -173,7 +183,9 @@ class HostTierMachine(PoolMachine):
     """The same interleavings with a small host tier (LRU, write-through) behind the device pool."""
 
     def make_manager(self) -> KVCacheManager:
-        return KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=6, write_through=True)
+        return KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=6, write_through=True,
+                              eviction_policy=self.eviction_policy,
+                              host_eviction=self.eviction_policy or "lru")
 
 
 class ArcHostTierMachine(PoolMachine):
@@ -186,7 +198,7 @@ class HybridMachine(PoolMachine):
 
     def make_manager(self) -> KVCacheManager:
         specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6)]
-        return KVCacheManager(num_blocks=24, block_size=BS, specs=specs)
+        return KVCacheManager(num_blocks=24, block_size=BS, specs=specs, eviction_policy=self.eviction_policy)
 
 
 class MambaHybridMachine(PoolMachine):
@@ -196,7 +208,7 @@ class MambaHybridMachine(PoolMachine):
     def make_manager(self) -> KVCacheManager:
         specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6),
                  MambaSpec(block_size=BS, state_shapes=((2, 3),), state_dtype_bytes=(2,))]
-        return KVCacheManager(num_blocks=30, block_size=BS, specs=specs)
+        return KVCacheManager(num_blocks=30, block_size=BS, specs=specs, eviction_policy=self.eviction_policy)
 
 
 class TwoLevelMachine(PoolMachine):
@@ -207,6 +219,27 @@ class TwoLevelMachine(PoolMachine):
         specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6),
                  MambaSpec(block_size=BS, state_shapes=((2, 3),), state_dtype_bytes=(2,))]
         return KVCacheManager(num_blocks=8, block_size=BS, specs=specs, page_sizes=[2, 2, 3])
+
+
+HYBRID = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=6),
+          MambaSpec(block_size=BS, state_shapes=((2, 3),), state_dtype_bytes=(2,))]
+
+
+class HybridHostTierMachine(PoolMachine):
+    """A host tier behind full + sliding + state groups in one pool: every group's evicted blocks are
+    sheltered under their group's key, and a host hit restores every group or is no hit."""
+
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_blocks=24, block_size=BS, specs=HYBRID, num_host_blocks=10)
+
+
+class TwoLevelHostTierMachine(PoolMachine):
+    """The same groups on a two-level pool (pages of 2 and 3 units): one host pool per page size, the
+    copies planned per page type; write-through, so copies also come from newly computed blocks."""
+
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_blocks=8, block_size=BS, specs=HYBRID, page_sizes=[2, 2, 3],
+                              num_host_blocks=4, write_through=True)
 
 
 class CrossAttentionMachine(PoolMachine):
@@ -232,5 +265,24 @@ TestMambaHybrid = MambaHybridMachine.TestCase
 TestMambaHybrid.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestTwoLevel = TwoLevelMachine.TestCase
 TestTwoLevel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestHybridHostTier = HybridHostTierMachine.TestCase
+TestHybridHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestTwoLevelHostTier = TwoLevelHostTierMachine.TestCase
+TestTwoLevelHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestCrossAttention = CrossAttentionMachine.TestCase
 TestCrossAttention.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+
+
+# Every registered policy under the same interleavings (LRU runs above): plain, with a host tier using
+# the policy too, and hybrid groups (sliding windows release blocks to the low-value queue). Fewer
+# examples each: the machines are the same, only the free-block order differs.
+def _policy_case(machine: type[PoolMachine], policy: str) -> type:
+    cls = type(f"{machine.__name__}_{policy}", (machine,), {"eviction_policy": policy})
+    case = cls.TestCase
+    case.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
+    return case
+
+
+for _policy in [p for p in policy_names() if p != "lru"]:
+    for _machine in (PoolMachine, HostTierMachine, HybridMachine, MambaHybridMachine):
+        globals()[f"Test{_machine.__name__}_{_policy.replace('-', '_')}"] = _policy_case(_machine, _policy)

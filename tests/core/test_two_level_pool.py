@@ -30,40 +30,44 @@ def test_large_pages_are_split_per_type_and_reused_least_recently_used_first() -
     assert mgr.get_block_ids("a") == ([3, 4], [0, 4])
     assert pool.owner == [-1, 0, 1, None]
     mgr.free(a)
-    assert pool.free_block_ids() == [(), (), (3, 1, 2)]  # unowned first, then least recently used
+    # Unowned first, then least recently used: a's blocks are released unit by unit across groups
+    # (the state after 8 tokens with the attention block it needs, then the first attention block), so
+    # the Mamba large page (2) is wholly free before the attention one (1).
+    assert pool.free_block_ids() == [(), (), (3, 2, 1)]
     b = make_request("b", list(range(100, 128)), BS)
     before = snapshot(mgr)
     assert mgr.allocate_slots(b, 28) is None  # 7 attention pages (3 large) + 1 Mamba (1 large) > 3
     assert snapshot(mgr) == before
     c = make_request("c", list(range(200, 220)), BS)
     assert mgr.allocate_slots(c, 20) is not None  # 5 attention pages (2 large) + 1 Mamba page
-    # Attention opens large page 3, then takes back its own large page 1: the uncached page 5 first,
-    # then a's page 4 (the tail of a's chain, freed first); a's first block (page 3) stays cached.
-    assert mgr.get_block_ids("c") == ([9, 10, 11, 5, 4], [0, 0, 0, 0, 5])
-    assert pool.types[0].blocks[3].block_hash == a.block_hashes[0]
-    assert pool.types[1].blocks[4].block_hash is not None  # a's state after 8 tokens, still cached
+    # Attention opens large page 3, then takes the least recently used one, Mamba's page 2 (ids 6-8);
+    # Mamba takes attention's large page 1 (ids 2-3), evicting a's first attention block with it.
+    assert mgr.get_block_ids("c") == ([9, 10, 11, 6, 7], [0, 0, 0, 0, 2])
+    assert pool.owner == [-1, 1, 0, 0]
+    assert a.block_hashes[0] not in pool.cached
     _, n = mgr.get_computed_blocks(make_request("a2", list(range(9)), BS))
-    assert n == 0  # a's first attention block survives, but the state after it was never stored
+    assert n == 0
     mgr.check_integrity()
 
 
-def test_a_wholly_free_large_page_of_another_type_is_reclaimed_when_it_is_the_oldest() -> None:
+def test_a_freed_prefix_stays_usable_as_a_unit_across_page_types() -> None:
     mgr = make()
     pool = mgr.block_pool
     a = make_request("a", list(range(12)), BS)
     assert mgr.allocate_slots(a, 12) is not None
     assert mgr.get_block_ids("a") == ([3, 4, 5], [0, 0, 4])
-    mgr.free(a)  # large page 1 (attention) freed before large page 2 (Mamba): it is the older
+    # Released unit by unit: the state after 12 tokens and the attention block only it needs go first,
+    # then the rest of the attention chain; so large page 2 (Mamba) is wholly free before page 1.
+    mgr.free(a)
+    assert pool.free_block_ids() == [(), (), (3, 2, 1)]
     b = make_request("b", list(range(100, 105)), BS)
     assert mgr.allocate_slots(b, 5) is not None
-    # Attention opens the unowned large page 3; Mamba needs a large page: the least recently used is
-    # attention's page 1, whose cached blocks are evicted and which changes type (Mamba ids 2-3).
-    assert mgr.get_block_ids("b") == ([9, 10], [0, 2])
-    assert pool.owner == [-1, 1, 1, 0]
-    assert all(blk.block_hash is None for blk in pool.types[0].blocks[3:6])
-    assert pool.types[1].blocks[4].block_hash is not None  # a's last state is kept
+    # Attention opens the unowned large page 3; Mamba reuses its own large page 2 (its free page 5): no
+    # page of a's usable prefix is evicted, so a's whole prompt but the last token is still a hit.
+    assert mgr.get_block_ids("b") == ([9, 10], [0, 5])
+    assert pool.owner == [-1, 0, 1, 0]
     _, n = mgr.get_computed_blocks(make_request("a2", list(range(13)), BS))
-    assert n == 0  # the state survived, but the attention blocks before it did not
+    assert n == 12
     mgr.check_integrity()
     mgr.free(b)
     assert mgr.get_num_free_blocks() == 3 and mgr.usage == 0.0

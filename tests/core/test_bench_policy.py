@@ -1,0 +1,57 @@
+"""`kvpool bench policy`: its JSON contract, the gap to Belady, the plot, and the default traces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench import policy as bench_policy
+from kvpool.bench.workloads import shared_prefix_trace, write_trace
+
+
+def test_json_contract_table_and_plot(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, shared_prefix_trace(120, seed=3, n_systems=6, sys_max=400, prompt_max=512))
+    png = tmp_path / "hit.png"
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "bench", "policy", "--trace", str(trace),
+                          "--num-blocks", "160", "320", "--concurrency", "2", "--policies", "lru,slru,reuse",
+                          "--json", "--plot", str(png)], capture_output=True, text=True, check=True).stdout
+    lines = out.strip().splitlines()
+    res = json.loads(lines[-1])["results"]
+    assert [(r["num_blocks"], r["policy"]) for r in res] == [
+        (160, "lru"), (160, "slru"), (160, "reuse"), (320, "lru"), (320, "slru"), (320, "reuse")]
+    for r in res:
+        assert r["trace"] == "t.jsonl" and r["concurrency"] == 2 and r["requests_per_s"] > 0
+        assert 0 < r["hit_rate"] <= r["belady_hit_rate"] + 1e-12 < 1
+    lru = res[0]
+    assert lru["gap_closed"] == 0.0
+    other = res[1]
+    assert other["gap_closed"] == pytest.approx(
+        (other["hit_rate"] - lru["hit_rate"]) / (lru["belady_hit_rate"] - lru["hit_rate"]))
+    assert lines[0].split()[:4] == ["trace", "blocks", "conc", "policy"]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_policy_is_refused() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "bench", "policy", "--trace", "multi-turn",
+                          "--policies", "lru,mru"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--policies: 'mru' is not one of" in out.stderr
+
+
+def test_default_traces_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without --trace: the three standard traces at the sizes and concurrencies of the issue's targets.
+    monkeypatch.setattr(bench_policy, "named_trace", lambda name: [])
+    monkeypatch.setattr(bench_policy, "shared_dir", lambda: Path(__file__).parent)  # no Mooncake here
+    a = argparse.Namespace(trace=None, num_blocks=None, concurrency=None)
+    got = [(c.name, c.num_blocks, c.concurrency) for c in bench_policy.cases(a)]
+    assert got == [("multi-turn", [1024, 2048], 4), ("shared-prefix", [1024, 2048], 4)]
+    if (Path(__file__).resolve().parents[2].parent / "shared" / "peers" / "traces").exists():
+        monkeypatch.undo()
+        monkeypatch.setattr(bench_policy, "named_trace", lambda name: [])
+        got = [(c.name, c.num_blocks, c.concurrency) for c in bench_policy.cases(a)]
+        assert got[-1] == ("mooncake", [2048, 8192], 16)
