@@ -49,7 +49,8 @@ def snapshot(mgr: KVCacheManager) -> tuple:
             {rid: [b.block_id for b in bl] for rid, bl in mgr.managers[0].req_to_blocks.items()},
             None if host is None else ([b.ref_cnt for b in host.blocks], host.free_block_ids(),
                                        {h: b.block_id for h, b in host.cached.items()}),
-            (list(mgr._swap_plan.swap_out), list(mgr._swap_plan.swap_in)))
+            (list(mgr._swap_plan.swap_out), list(mgr._swap_plan.swap_in)),
+            None if mgr.host is None else (list(mgr.host._pinned), list(mgr.host._next_pinned)))
 
 
 def make_request(rid: str, tokens: list[int], block_size: int, **kw: object) -> CacheRequest:

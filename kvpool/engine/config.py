@@ -45,8 +45,17 @@ class EngineConfig:
     enable_kv_events: bool = False
     swap_space: int | str | float = 0  # host KV tier size (bytes, or e.g. '4GiB'); 0 disables it
     num_host_blocks: int | None = None  # overrides swap_space (tests)
-    host_eviction: str = "lru"  # lru | arc
+    host_eviction: str = "lru"  # lru | arc | any device policy (kvpool.core.policies)
+    eviction_policy: str = "lru"  # the device tier's: lru | slru | prefix | reuse (kvpool.core.policies)
+    pin_budget: float = 0.2  # fraction of the device pool that pinned prefixes may hold
     write_through: bool = False  # copy every newly full block to the host tier, not only on eviction
+    # The store tier below the host tier: file:///dir or redis://host:port (kvpool.store); None: off.
+    kv_store: str | None = None
+    kv_store_deadline_s: float = 2.0  # a request waits at most this long for its store reads
+    # State models (Mamba / short-conv layers): keep the state at every this many prompt tokens (a
+    # multiple of block_size; 0: only at the prompt's end and hit points), at most this many per request.
+    state_retention_tokens: int = 512
+    state_retention_budget: int = 8
     # False: every layer in one full-attention group (the uniform allocator), for comparisons.
     hybrid_allocator: bool = True
     # Omni stages: collect per-token outputs (final hidden states, plus the residual stream after each of

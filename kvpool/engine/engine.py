@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,9 @@ from tokenizers.decoders import DecodeStream
 
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
-from kvpool.core.request import MultiModalItem
+from kvpool.core.kv_cache_spec import MambaSpec
+from kvpool.core.pins import Pin, PinSet
+from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.engine.config import EngineConfig, parse_size
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.request import Request, RequestStatus
@@ -74,11 +77,20 @@ class LLMEngine:
             num_host = self.runner.allocate_host_cache(config.swap_space_bytes())
         elif num_host:
             self.runner.allocate_host_cache(num_host * self.runner.bytes_per_block)
+        if config.state_retention_tokens < 0 or config.state_retention_tokens % bs:
+            raise ValueError(f"state_retention_tokens: must be a multiple of block_size ({bs}) >= 0, "
+                             f"got {config.state_retention_tokens}")
         self.kv = KVCacheManager(self.runner.num_blocks, bs, specs=self.runner.kv_cache_specs,
                                  enable_caching=config.enable_prefix_caching,
                                  enable_kv_events=config.enable_kv_events, num_host_blocks=num_host,
                                  host_eviction=config.host_eviction, write_through=config.write_through,
-                                 page_sizes=self.runner.page_sizes)
+                                 page_sizes=self.runner.page_sizes, eviction_policy=config.eviction_policy,
+                                 state_retention_interval=config.state_retention_tokens // bs,
+                                 state_retention_budget=config.state_retention_budget)
+        if not 0 <= config.pin_budget <= 1:
+            raise ValueError(f"pin_budget: a fraction of the pool in [0, 1], got {config.pin_budget}")
+        self.pins = PinSet(self.kv.block_pool, int(config.pin_budget * self.kv.block_pool.num_usable_blocks))
+        self.kv.external_holders.append(self.pins.held_blocks)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
                        if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -95,6 +107,14 @@ class LLMEngine:
                       if isinstance(self.runner.model, MllamaForConditionalGeneration) else None)
         self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
                               if config.stage_outputs else None)
+        # The store tier below the host tier (kvpool.store): reads while a request waits, write-through
+        # of sheltered blocks; all of its I/O on its own thread.
+        self.store = None
+        if config.kv_store:
+            from kvpool.store.engine_store import EngineStore
+
+            self.store = EngineStore(config.kv_store, self.kv, self.runner.host_kv_caches, self.model_dir, bs,
+                                     deadline_s=config.kv_store_deadline_s)
 
     def _longest_fitting_request(self, limit: int) -> int:
         """A request must fit the pool alone, so it can always finish once the others are preempted: the
@@ -105,8 +125,14 @@ class LLMEngine:
 
         page_sizes = self.runner.page_sizes
 
+        retention = self.config.state_retention_tokens if self.config.enable_prefix_caching else 0
+
         def fits(n: int) -> bool:
             held = [s.max_blocks_held(n, chunk) for s in specs]
+            if retention:
+                # States retained along the prompt are held until the request ends (see MambaManager).
+                extra = min(self.config.state_retention_budget, n // retention)
+                held = [h + extra if isinstance(s, MambaSpec) else h for h, s in zip(held, specs, strict=True)]
             if page_sizes is None:
                 return sum(held) <= usable
             # Two-level pool: the blocks are large pages; each page size packs lcm / size pages in one.
@@ -123,6 +149,33 @@ class LLMEngine:
         if lo < 2:
             raise ValueError(f"kv_cache_memory: {self.runner.num_blocks} blocks cannot hold even a 2-token request")
         return lo
+
+    # -- pinned prefixes (kvpool.core.pins) ------------------------------------------------------------
+
+    def pin_prefix(self, prompt: str | Sequence[int], *, ttl: float | None = None,
+                   cache_salt: str | None = None) -> Pin:
+        """Pin the cached full blocks of `prompt` for `ttl` seconds (None: until unpinned). Raises
+        PrefixNotCached when some block is not cached (compute the prefix, then pin again; `LLM.pin_prefix`
+        does both) and ValueError over the budget."""
+        if not self.config.enable_prefix_caching or self.hasher is None:
+            raise ValueError("pin_prefix: prefix caching is off")
+        if self.kv.num_groups != 1:
+            raise ValueError(f"pin_prefix: supported for models with one layer group (this one has "
+                             f"{self.kv.num_groups})")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("pin_prefix: empty prompt")
+        n_full = len(ids) // self.kv.block_size
+        hashes = CacheRequest("pin", ids, hasher=self.hasher, cache_salt=cache_salt).block_hashes[:n_full]
+        return self.pins.pin(hashes, now=time.monotonic(), ttl=ttl, num_tokens=n_full * self.kv.block_size)
+
+    def unpin(self, pin_id: str) -> bool:
+        return self.pins.unpin(pin_id)
+
+    def expire_pins(self) -> int:
+        """Release expired pins now (steps do it too); the number of blocks still pinned."""
+        self.pins.expire(time.monotonic())
+        return self.pins.num_pinned_blocks
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -194,8 +247,11 @@ class LLMEngine:
         return req
 
     def enqueue(self, req: Request) -> None:
-        """Hand a request made by `make_request` to the scheduler."""
-        self.scheduler.add_request(req)
+        """Hand a request made by `make_request` to the scheduler (after its store reads, if any)."""
+        if self.store is not None and self.store.is_held(req.request_id):
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        if self.store is None or not self.store.hold(req):
+            self.scheduler.add_request(req)
         seed = req.sampling_params.seed
         if seed is not None:
             g = torch.Generator(device=self.runner.device)
@@ -205,21 +261,35 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not running or waiting."""
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        held = self.store.drop(request_id) if self.store is not None else None
+        if held is not None:
+            held.status = RequestStatus.FINISHED_ABORTED
         self._forget(request_id)
-        return req is not None
+        return req is not None or held is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.store is not None and self.store.num_held() > 0)
 
     # -- the step loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.store is not None:
+            for req in self.store.pump():  # their store reads landed in host blocks (or timed out)
+                self.scheduler.add_request(req)
+        if self.pins.pins:
+            self.pins.expire(time.monotonic())  # expired pins' blocks are evictable from this step on
         out = self.scheduler.schedule()
         if not out.scheduled:
             # Copies owed from the last step (write-through) still run: the host tier counts on them.
             self.runner.execute_swaps(out.swap_plan)
+            if self.store is not None:
+                self.store.after_swaps(out.swap_plan)
+                if self.store.num_held():
+                    time.sleep(0.001)  # only requests waiting on the store: do not spin the CPU
             return []
         sampled = self.runner.execute(self._steps(out), out.swap_plan)
+        if self.store is not None:
+            self.store.after_swaps(out.swap_plan)
         if self.stage_outputs is not None:
             self.stage_outputs.collect(out, self.runner.last_outputs)
         progressed = self.scheduler.update_from_output(out, sampled)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.core.pins import Pin, PrefixNotCached
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.outputs import RequestOutput
@@ -43,6 +44,21 @@ class LLM:
         if mm_inputs is not None and len(mm_inputs) != len(prompts):
             raise ValueError("mm_inputs: one list per prompt")
         return self._run(prompts, params, use_tqdm, cache_salt, mm_inputs)
+
+    def pin_prefix(self, prompt: Prompt, *, ttl: float | None = None, cache_salt: str | None = None) -> Pin:
+        """Keep a prefix (text or token ids: its full blocks) on the device for `ttl` seconds (None:
+        until `unpin`), computing it first if it is not cached. Refused with ValueError over the pin
+        budget (`pin_budget`, default 20% of the pool); never pins part of a prefix."""
+        eng = self.engine
+        try:
+            return eng.pin_prefix(prompt, ttl=ttl, cache_salt=cache_salt)
+        except PrefixNotCached:
+            self.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False, cache_salt=cache_salt)
+            return eng.pin_prefix(prompt, ttl=ttl, cache_salt=cache_salt)
+
+    def unpin(self, pin: Pin | str) -> bool:
+        """Release a pin (its blocks become evictable); False if it had already ended."""
+        return self.engine.unpin(pin if isinstance(pin, str) else pin.pin_id)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

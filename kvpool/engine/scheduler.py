@@ -63,6 +63,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self.align_chunks = kv.enable_caching and any(isinstance(sp, MambaSpec) for sp in kv.specs)
+        # Chunks that stop short of the known tokens' end also stop on a retention boundary, where the
+        # manager keeps a state (see MambaManager): in tokens, 0 when no state is retained.
+        self.retention = getattr(kv, "state_retention_interval", 0) * kv.block_size
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -83,6 +86,8 @@ class Scheduler:
         last = req.num_tokens - req.num_tokens % bs  # the last boundary of the known tokens
         if end < last:
             end = end - end % bs
+            if self.retention and end - end % self.retention > num_computed:
+                end -= end % self.retention
         elif num_computed < last < end:
             end = last
         return end - num_computed if end > num_computed else num_new

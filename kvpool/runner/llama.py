@@ -7,6 +7,7 @@ three and two. Weight names are the Hugging Face ones, so a transformers checkpo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,9 +85,22 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN's packed bf16 linear runs on this CPU: it needs AVX-512 (bw, vl, dq) or
+    AVX-NE-CONVERT, and raises on anything less (an AVX2-only machine), so try it once on a tiny weight."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return dtype == torch.bfloat16 and device.type == "cpu" and _onednn_packs_bf16()
 
 
 def load_param(params: dict[str, nn.Parameter], target: str, name: str, w: torch.Tensor, loaded: set[str]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvpool.core.host_tier import split_host_pages
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 from kvpool.core.swap import SwapPlan
 from kvpool.runner import kernels
@@ -210,6 +211,9 @@ class ModelRunner:
         self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
         self.num_grouped_decode_steps = 0  # steps whose decode kernel read a shared prefix once for a group
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Two-level pools: per page type, per device byte buffer, a (host pages, page elements) tensor.
+        self.host_pages: list[list[torch.Tensor]] = []
+        self._page_elems: list[int] = []
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self.swap_seconds = 0.0
@@ -321,18 +325,32 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), metas)
 
     def allocate_host_cache(self, swap_space: int) -> int:
-        """Host-tier KV tensors of `swap_space` bytes (pinned when a GPU will copy from them)."""
+        """Host-tier KV tensors of `swap_space` bytes (pinned when a GPU will copy from them); returns
+        the manager's `num_host_blocks` (blocks, or large pages when the pool is two-level)."""
         n = swap_space // self.bytes_per_block
+        self.host_kv_caches = []
+        self.host_pages = []
         if n < 1:
-            self.host_kv_caches = []
             return 0
-        if self.paged is not None:
-            raise ValueError("swap_space: the host tier does not support models with state layers yet")
         pin = self.device.type == "cuda"
-        shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
-        self.host_kv_caches = [(torch.zeros(shape, dtype=self.dtype, pin_memory=pin),
-                                torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
-                               for _ in self.kv_tensors]
+        if self.paged is not None:
+            # Two-level pool: one host pool per page size, the memory split evenly in bytes between them
+            # (the manager splits its host blocks the same way); per page type, one (pages, page) tensor
+            # for each of the device's byte buffers.
+            sizes = sorted(set(self.paged.page_sizes))
+            counts = split_host_pages(n, [self.bytes_per_block // p for p in sizes])
+            if min(counts) < 1:
+                return 0
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            slots = len(self.paged.buffers)
+            self._page_elems = [p // slots // elem for p in sizes]
+            self.host_pages = [[torch.zeros((c, pe), dtype=self.dtype, pin_memory=pin) for _ in range(slots)]
+                               for c, pe in zip(counts, self._page_elems, strict=True)]
+        else:
+            shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
+            self.host_kv_caches = [(torch.zeros(shape, dtype=self.dtype, pin_memory=pin),
+                                    torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
+                                   for _ in self.kv_tensors]
         log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
         if self.stage_cache is not None:
             self.stage_cache.set_num_host_blocks(n)
@@ -343,7 +361,7 @@ class ModelRunner:
         step may be the destination of a swap-in of the same step)."""
         if not plan:
             return
-        if not self.host_kv_caches:
+        if not self.host_kv_caches and not self.host_pages:
             raise RuntimeError("swap plan given but this runner has no host KV tier")
         t0 = time.perf_counter()
         dev = self.device
@@ -353,20 +371,41 @@ class ModelRunner:
             for (dk, dv), (hk, hv) in zip(self.kv_tensors, self.host_kv_caches, strict=True):
                 hk.index_copy_(1, h_ids, dk.index_select(1, d_ids).to("cpu", non_blocking=True))
                 hv.index_copy_(1, h_ids, dv.index_select(1, d_ids).to("cpu", non_blocking=True))
+        self._copy_pages(plan.typed_out, to_host=True)
         if plan.swap_in:
             h_ids = torch.tensor([h for h, _ in plan.swap_in], dtype=torch.long)
             d_ids = torch.tensor([d for _, d in plan.swap_in], dtype=torch.long, device=dev)
             for (dk, dv), (hk, hv) in zip(self.kv_tensors, self.host_kv_caches, strict=True):
                 dk.index_copy_(1, d_ids, hk.index_select(1, h_ids).to(dev, non_blocking=True))
                 dv.index_copy_(1, d_ids, hv.index_select(1, h_ids).to(dev, non_blocking=True))
+        self._copy_pages(plan.typed_in, to_host=False)
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the forward must see the copies
         if self.stage_cache is not None:
             self.stage_cache.apply_swaps(plan)  # the stage outputs follow their blocks between tiers
-        self.num_blocks_swapped_out += len(plan.swap_out)
-        self.num_blocks_swapped_in += len(plan.swap_in)
+        self.num_blocks_swapped_out += len(plan.swap_out) + len(plan.typed_out)
+        self.num_blocks_swapped_in += len(plan.swap_in) + len(plan.typed_in)
         # Measured so the case for overlapping copies with compute (a copy thread) rests on numbers.
         self.swap_seconds += time.perf_counter() - t0
+
+    def _copy_pages(self, copies: list[tuple[int, int, int]], to_host: bool) -> None:
+        """Two-level pools: copy (page type, src, dst) pages between the device's byte buffers and the
+        host pages of that type (a page of type t is the t-th smallest page size, in every buffer)."""
+        if not copies:
+            return
+        assert self.paged is not None
+        for t, pe in enumerate(self._page_elems):
+            mine = [(src, dst) for pt, src, dst in copies if pt == t]
+            if not mine:
+                continue
+            src = torch.tensor([a for a, _ in mine], dtype=torch.long)
+            dst = torch.tensor([b for _, b in mine], dtype=torch.long)
+            for buf, host in zip(self.paged.buffers, self.host_pages[t], strict=True):
+                pages = buf.view(-1, pe)
+                if to_host:
+                    host.index_copy_(0, dst, pages.index_select(0, src.to(buf.device)).to("cpu"))
+                else:
+                    pages.index_copy_(0, dst.to(buf.device), host.index_select(0, src).to(buf.device))
 
     def _forward_with_outputs(self, steps: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor,
                               meta: AttentionMetadata | list[AttentionMetadata], slot_mapping: torch.Tensor

@@ -33,3 +33,23 @@ def test_long_shared_prefix_matches_transformers(gemma_dir: Path) -> None:
     shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
     assert outs[1].num_cached_tokens == shared // 16 * 16 > 1000
     llm.engine.kv.check_integrity()
+
+
+def test_host_tier_restores_every_group_of_a_long_prefix(gemma_dir: Path) -> None:
+    # A device pool that holds one long request; a host tier that holds everything. The second question
+    # about the document comes after an unrelated prompt has pushed the document's blocks out of the
+    # device: its hit comes back from the host tier in the full group and all five sliding groups.
+    kw = dict(dtype="float32", block_size=16, max_num_batched_tokens=256)
+    llm = LLM(str(gemma_dir), num_blocks=330, num_host_blocks=1500, **kw)
+    doc = " ".join(f"Item {i} weighs {(i * 37) % 100} grams." for i in range(70))
+    other = " ".join(f"City {i} has {(i * 53) % 1000} trees." for i in range(75))
+    prompts = [llm.engine.encode(doc + f"\nQuestion: how much does item {q} weigh?\nAnswer:") for q in (17, 63)]
+    filler = llm.engine.encode(other + "\nQuestion: which city has the most trees?\nAnswer:")
+    order = [prompts[0], filler, prompts[1]]
+    outs = [llm.generate([p], SamplingParams.greedy(6), use_tqdm=False)[0] for p in order]
+    assert [o.token_ids for o in outs] == hf_greedy(gemma_dir, order, 6)
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
+    assert outs[2].num_cached_tokens == shared // 16 * 16
+    kv = llm.engine.kv
+    assert kv.stats.host_hits > outs[2].num_cached_tokens // 2  # most of the hit came from the host tier
+    kv.check_integrity()

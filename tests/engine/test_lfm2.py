@@ -223,8 +223,8 @@ def test_ff_width_and_bad_configs(lfm2_dir: Path) -> None:
     assert arch.layer_types == ("conv", "full_attention")
     with pytest.raises(ValueError, match="hybrid_allocator: a model with state layers needs the hybrid allocator"):
         make_llm(lfm2_dir, num_blocks=50, hybrid_allocator=False)
-    with pytest.raises(ValueError, match="swap_space: the host tier does not support models with state layers"):
-        make_llm(lfm2_dir, num_blocks=50, swap_space="1MiB")
+    with pytest.raises(ValueError, match=r"state_retention_tokens: must be a multiple of block_size \(4\) >= 0, got 6"):
+        make_llm(lfm2_dir, num_blocks=50, state_retention_tokens=6)
     with pytest.raises(ValueError, match="batch_invariant: models with state layers are not supported"):
         make_llm(lfm2_dir, num_blocks=50, batch_invariant=True)
 
@@ -257,4 +257,22 @@ def test_random_shared_prefixes_small_pool(lfm2_dir: Path) -> None:
     assert [o.token_ids for o in again] == ref[::-1]
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert sum(o.num_cached_tokens for o in again) > 0
+    llm.engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize("retention", [16, 0])
+def test_states_retained_every_interval_survive_pressure(retention: int, lfm2_dir: Path) -> None:
+    # A long prompt in chunks of 32 tokens; a branch off it at token 40; a filler in between that needs
+    # most of a small pool. Retained states (every 16 tokens) are held with the request and released as
+    # hit points with the attention blocks before them, so the state after 32 tokens survives the filler;
+    # without retention, intermediate states go to the front when the next chunk starts and the filler
+    # takes them first, leaving attention blocks no state can resume from: the branch hits nothing.
+    long = [(3 * i + 1) % TINY_VOCAB for i in range(100)]
+    branch = [*long[:40], 7, 7, 7]
+    filler = [(5 * i + 1) % TINY_VOCAB for i in range(60)]
+    prompts = [long, filler, branch]
+    llm = make_llm(lfm2_dir, num_blocks=38, max_num_batched_tokens=32, state_retention_tokens=retention)
+    outs = [llm.generate([p], SamplingParams.greedy(4), use_tqdm=False)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == hf_greedy(lfm2_dir, prompts, 4)
+    assert outs[-1].num_cached_tokens == (32 if retention else 0)
     llm.engine.kv.check_integrity()
