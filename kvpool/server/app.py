@@ -24,11 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.server.metrics import ServerMetrics
-from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -226,7 +227,57 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        if engine.is_alive:
+            try:
+                metrics.pinned_blocks.set(await engine.call(lambda e: e.expire_pins()))
+                metrics.pins.set(len(engine.engine.pins))
+            except EngineDeadError:
+                pass
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def pin_json(pin: Pin) -> dict[str, Any]:
+        left = None if pin.expires_at is None else max(0.0, pin.expires_at - time.monotonic())
+        return {"id": pin.pin_id, "object": "pin", "num_tokens": pin.num_tokens, "num_blocks": len(pin.blocks),
+                "block_ids": pin.block_ids, "expires_in": left}
+
+    @app.post("/v1/pins")
+    async def pin_prefix(request: Request) -> JSONResponse:
+        """Pin a prefix (text or token ids) for `ttl` seconds: computed first if not cached; 409 over
+        the pin budget (never pinned in part)."""
+        authorize(request)
+        body = await read_body(request, PinRequest, max_body_bytes)
+
+        def pin(e: Any) -> Pin:
+            return e.pin_prefix(body.prompt, ttl=body.ttl, cache_salt=body.cache_salt)
+
+        try:
+            try:
+                return JSONResponse(pin_json(await engine.call(pin)))
+            except PrefixNotCached:
+                # Compute the prefix (one token of output), then pin what it cached.
+                await finish(request, await start(body.prompt, SamplingParams(max_tokens=1), body.cache_salt))
+                return JSONResponse(pin_json(await engine.call(pin)))
+        except PinBudgetExceeded as e:
+            raise APIError(409, str(e)) from None
+        except PrefixNotCached as e:
+            raise APIError(409, f"{e} (evicted again before it could be pinned; retry)") from None
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+
+    @app.get("/v1/pins")
+    async def list_pins(request: Request) -> JSONResponse:
+        authorize(request)
+        pins = await engine.call(lambda e: (e.expire_pins(), list(e.pins.pins.values()))[1])
+        return JSONResponse({"object": "list", "data": [pin_json(p) for p in pins]})
+
+    @app.delete("/v1/pins/{pin_id}")
+    async def unpin(pin_id: str, request: Request) -> JSONResponse:
+        authorize(request)
+        if not await engine.call(lambda e: e.unpin(pin_id)):
+            raise APIError(404, f"pin: no pin {pin_id!r} (unpinned, or its TTL passed)")
+        return JSONResponse({"id": pin_id, "object": "pin", "deleted": True})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

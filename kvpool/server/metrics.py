@@ -44,6 +44,8 @@ class ServerMetrics:
         self.ttft = histogram("kvpool:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("kvpool:inter_token_latency_seconds", "Time between two output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("kvpool:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.pinned_blocks = gauge("kvpool:pinned_blocks", "Device blocks held by pinned prefixes.")
+        self.pins = gauge("kvpool:pinned_prefixes", "Pinned prefixes (POST /v1/pins).")
         self.host_tier = host_tier
         if host_tier:
             self.host_usage = gauge("kvpool:host_kv_cache_usage_perc", "Fraction of host-tier blocks pinned (0-1).")

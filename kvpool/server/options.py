@@ -17,3 +17,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
     g.add_argument("--kv-events-endpoint", default=None,
                    help="publish KV cache events on this ZeroMQ PUB endpoint (e.g. tcp://127.0.0.1:5557)")
+    g.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="answer replay requests (vLLM's ROUTER protocol) on this ZeroMQ endpoint")
+    g.add_argument("--kv-events-topic", default="kv-events", help="topic frame of each published KV event batch")

@@ -108,3 +108,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class PinRequest(BaseModel):
+    """POST /v1/pins: keep a prefix's blocks on the device (kvpool.core.pins)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: StrictStr | TokenIds = Field(min_length=1)
+    ttl: float | None = Field(default=None, gt=0)  # seconds; None: until DELETE /v1/pins/{id}
+    cache_salt: str | None = Field(default=None, min_length=1)

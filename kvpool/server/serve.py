@@ -42,17 +42,23 @@ class ServerHandle:
 
 
 def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-          max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None
+          max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None,
+          kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
           ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
     name = served_model_name or engine.model_dir.name
     async_engine = AsyncEngine(engine, max_pending=max_pending)
     metrics = ServerMetrics(name, host_tier=engine.kv.host_pool is not None)
     async_engine.add_listener(metrics.observe)
+    if engine.store is not None:
+        from kvpool.store.engine_store import StoreCollector
+
+        metrics.registry.register(StoreCollector(engine.store, name))
     publisher = None
     if kv_events_endpoint:
         if not engine.config.enable_kv_events:
             raise ValueError("kv_events_endpoint: the engine was built without enable_kv_events=True")
-        publisher = KVEventPublisher(kv_events_endpoint)
+        publisher = KVEventPublisher(kv_events_endpoint, topic=kv_events_topic,
+                                     replay_endpoint=kv_events_replay_endpoint)
         publisher.bind()
         async_engine.add_listener(publisher.observe)
     app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -82,7 +88,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     engine = LLMEngine(**engine_kwargs)
     app, async_engine, _, publisher = build(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                                             max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
-                                            kv_events_endpoint=args.kv_events_endpoint)
+                                            kv_events_endpoint=args.kv_events_endpoint,
+                                            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+                                            kv_events_topic=args.kv_events_topic)
     async_engine.start()
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host, args.port,
              engine.runner.num_blocks, engine.config.block_size)

@@ -40,16 +40,17 @@ def test_subscriber_sees_stored_blocks_and_a_reset(chat_llama_dir: Path) -> None
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv-events" and int.from_bytes(seq, "big") == 0
         _, events = decode_batch(payload)
-        stored = [e for e in events if e[0] == "BlockStored"]
+        stored = [e for e in events if e["type"] == "BlockStored"]
         want = CacheRequest("ref", prompt, hasher=BlockHasher(BLOCK)).block_hashes[:3]  # the prompt's full blocks
-        assert [h for e in stored for h in e[1]] == want
+        assert [h for e in stored for h in e["block_hashes"]] == want
         first = stored[0]
-        assert first[2] is None and first[3] == prompt[:BLOCK] and first[4] == BLOCK and first[6] == "device"
+        assert first["parent_block_hash"] is None and first["token_ids"][:BLOCK] == prompt[:BLOCK]
+        assert first["block_size"] == BLOCK and first["medium"] == "GPU"
         assert h.engine.call_soon(lambda e: e.kv.reset_prefix_cache()).result(10)
         # The reset is published with the next step's events.
         assert httpx.post(f"{h.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
         seen: list = []
-        while not any(e[0] == "AllBlocksCleared" for e in seen):
+        while not any(e["type"] == "AllBlocksCleared" for e in seen):
             _, seq, payload = sub.recv_multipart()
             seen += decode_batch(payload)[1]
         assert int.from_bytes(seq, "big") >= 1

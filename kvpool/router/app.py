@@ -1,0 +1,545 @@
+"""`kvpool router`: an OpenAI-compatible front door for N `kvpool serve` replicas (or any server speaking
+the same API and vLLM's KV events).
+
+Per request: parse the body as the replicas would (`kvpool.server.protocol`), tokenize it with the same
+tokenizer and chat template, hash its blocks with the replicas' `BlockHasher` settings (block size, hash
+algorithm, seed, cache salt), look the hashes up in the index fed by every replica's KV events, choose a
+replica (`kvpool.router.policy`), and proxy the request there, streaming included. A replica that cannot
+be reached, or answers 503, before anything was sent to the client is marked down and the request goes to
+the next best replica; once bytes have reached the client the request stays where it is.
+
+A health thread polls each replica's /health and /metrics (running, waiting, KV usage) twice a second;
+a replica that fails is left out until it answers again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+
+from kvpool.core.hashing import BlockHasher
+from kvpool.core.request import CacheRequest
+from kvpool.router.index import PrefixIndex, RoutedIndex
+from kvpool.router.policy import ReplicaLoad, choose
+from kvpool.router.subscriber import EventSubscriber
+from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+_FORWARD_HEADERS = ("authorization", "content-type", "accept")
+
+
+@dataclass
+class ReplicaSpec:
+    """One `--replica` value: `URL[,events=ZMQ_ENDPOINT][,replay=ZMQ_ENDPOINT][,topic=TOPIC]`."""
+
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> ReplicaSpec:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts or not parts[0].startswith(("http://", "https://")):
+            raise ValueError(f"replica: {text!r} must start with an http:// or https:// URL")
+        spec = cls(parts[0].rstrip("/"))
+        for p in parts[1:]:
+            key, eq, value = p.partition("=")
+            if not eq or key not in ("events", "replay", "topic"):
+                raise ValueError(f"replica: unknown option {p!r} in {text!r} (events=, replay=, topic=)")
+            if key in ("events", "replay") and "://" not in value:
+                raise ValueError(f"replica: {key}={value!r} is not a ZeroMQ endpoint such as tcp://host:port")
+            setattr(spec, key, value)
+        return spec
+
+
+@dataclass
+class Replica:
+    spec: ReplicaSpec
+    healthy: bool = True
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    routed: int = 0
+    failures: int = 0
+    subscriber: EventSubscriber | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.url
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.decisions = Counter("kvpool_router:routing_decisions", "Requests routed, by replica and reason.",
+                                 ["replica", "reason"], registry=r)
+        self.prompt_blocks = Counter("kvpool_router:prompt_blocks", "Full prompt blocks of routed requests.",
+                                     registry=r)
+        self.matched_blocks = Counter("kvpool_router:matched_blocks",
+                                      "Of those, blocks cached on the chosen replica (by the index).", registry=r)
+        self.matched_fraction = Histogram("kvpool_router:matched_prefix_fraction",
+                                          "Cached fraction of each prompt's blocks on the chosen replica.",
+                                          buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), registry=r)
+        self.retries = Counter("kvpool_router:retries", "Requests resent to another replica before streaming.",
+                               ["replica"], registry=r)
+        self.failed = Counter("kvpool_router:requests_failed", "Requests no replica could take (HTTP 503).",
+                              registry=r)
+        self.healthy = Gauge("kvpool_router:replica_healthy", "1 if the replica answers its health check.",
+                             ["replica"], registry=r)
+        self.in_flight = Gauge("kvpool_router:replica_in_flight", "Requests in flight through the router.",
+                               ["replica"], registry=r)
+        self.waiting = Gauge("kvpool_router:replica_waiting", "The replica's waiting requests (its /metrics).",
+                             ["replica"], registry=r)
+        self.running = Gauge("kvpool_router:replica_running", "The replica's running requests (its /metrics).",
+                             ["replica"], registry=r)
+        self.kv_usage = Gauge("kvpool_router:replica_kv_usage", "The replica's device KV usage (0-1).",
+                              ["replica"], registry=r)
+        self.indexed = Gauge("kvpool_router:replica_indexed_blocks", "Block hashes indexed for the replica.",
+                             ["replica"], registry=r)
+        self.event_batches = Counter("kvpool_router:event_batches", "KV event batches received.", ["replica"],
+                                     registry=r)
+        self.hash_mismatch = Counter("kvpool_router:hash_mismatches",
+                                     "Stored blocks whose hash the router cannot reproduce (config differs).",
+                                     ["replica"], registry=r)
+
+
+class Router:
+    """Routing state, shared by the HTTP handlers (event loop), the health thread and the subscribers."""
+
+    def __init__(self, replicas: list[ReplicaSpec], *, tokenizer: Any = None, block_size: int = 16,
+                 hash_algo: str = "sha256", hash_seed: str | None = None, beta: float = 1.0, gamma: float = 0.2,
+                 routed_ttl_s: float = 300.0, pending_ttl_s: float = 3.0, recent_half_life_s: float = 2.0,
+                 health_interval_s: float = 0.5, policy: str = "cache") -> None:
+        if not replicas:
+            raise ValueError("replica: give at least one --replica URL")
+        if policy not in ("cache", "round-robin"):
+            raise ValueError(f"policy: {policy!r} is not one of cache, round-robin")
+        self.replicas = {s.url: Replica(s) for s in replicas}
+        if len(self.replicas) != len(replicas):
+            raise ValueError("replica: the same URL was given twice")
+        self.tokenizer = tokenizer
+        self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
+        self.block_size = block_size
+        self.beta, self.gamma = beta, gamma
+        self.policy = policy
+        self.index = PrefixIndex()
+        # Replicas without events: what we sent them, for a long while. With events: the last few seconds
+        # only, until the replica's own BlockStored arrives.
+        self.routed = RoutedIndex(routed_ttl_s)
+        self.pending = RoutedIndex(pending_ttl_s)
+        self.recent_half_life_s = recent_half_life_s
+        self.health_interval_s = health_interval_s
+        self.metrics = RouterMetrics()
+        for n in self.replicas:  # export zeros from the start, so a dashboard sees every replica
+            for c in (self.metrics.hash_mismatch, self.metrics.event_batches, self.metrics.retries):
+                c.labels(n)
+            self.metrics.healthy.labels(n).set(1)
+        self._lock = threading.Lock()
+        self._rr = 0
+        self._stop = threading.Event()
+        self._health_thread = threading.Thread(target=self._health_loop, name="kvpool-router-health", daemon=True)
+        self._checked_hash: set[str] = set()
+        self._tok_lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for rep in self.replicas.values():
+            if rep.spec.events:
+                rep.subscriber = EventSubscriber(rep.name, rep.spec.events, self.index,
+                                                 replay_endpoint=rep.spec.replay, topic=rep.spec.topic,
+                                                 on_batch=self._on_batch).start()
+        self._health_thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for rep in self.replicas.values():
+            if rep.subscriber is not None:
+                rep.subscriber.stop()
+        self._health_thread.join(5)
+
+    # -- events -------------------------------------------------------------------------------------
+
+    def _on_batch(self, replica: str, events: list[dict[str, Any]]) -> None:
+        self.metrics.event_batches.labels(replica).inc()
+        if replica in self._checked_hash:
+            return
+        # Once per replica: recompute the hash of a first block from its tokens. A different block size,
+        # hash algorithm or seed on the replica would make every lookup miss silently; say so instead.
+        for e in events:
+            if (e.get("type") == "BlockStored" and e.get("parent_block_hash") is None and not e.get("extra_keys")
+                    and e.get("lora_name") is None and len(e.get("token_ids", ())) >= self.block_size
+                    and e.get("medium") == "GPU"):
+                self._checked_hash.add(replica)
+                tokens = list(e["token_ids"][: self.block_size])
+                mine = CacheRequest("check", tokens, hasher=self.hasher).block_hashes[0]
+                if e.get("block_size") != self.block_size or mine != e["block_hashes"][0]:
+                    self.metrics.hash_mismatch.labels(replica).inc()
+                    log.error("router: replica %s hashes blocks differently (its block size %s, ours %d): give the "
+                              "router the replicas' --block-size/--hash-algo/--hash-seed", replica,
+                              e.get("block_size"), self.block_size)
+                return
+
+    # -- health -------------------------------------------------------------------------------------
+
+    def _health_loop(self) -> None:
+        with httpx.Client(timeout=1.0) as client:
+            while not self._stop.is_set():
+                for rep in list(self.replicas.values()):
+                    self._check(client, rep)
+                self._stop.wait(self.health_interval_s)
+
+    def _check(self, client: httpx.Client, rep: Replica) -> None:
+        polled_at = time.monotonic()  # before the request: a completion during it makes the poll stale
+        try:
+            ok = client.get(f"{rep.name}/health").status_code == 200
+            text = client.get(f"{rep.name}/metrics").text if ok else ""
+        except httpx.HTTPError:
+            ok, text = False, ""
+        with self._lock:
+            if ok != rep.healthy:
+                log.warning("router: replica %s is %s", rep.name, "back" if ok else "down")
+            rep.healthy = ok
+            if ok:
+                vals = _read_metrics(text)
+                rep.load.running = int(vals.get("num_requests_running", 0))
+                rep.load.waiting = int(vals.get("num_requests_waiting", 0))
+                rep.load.kv_usage = vals.get("kv_cache_usage_perc", 0.0)
+                rep.load.polled_at = polled_at
+        m = self.metrics
+        m.healthy.labels(rep.name).set(1 if ok else 0)
+        m.running.labels(rep.name).set(rep.load.running)
+        m.waiting.labels(rep.name).set(rep.load.waiting)
+        m.kv_usage.labels(rep.name).set(rep.load.kv_usage)
+        m.indexed.labels(rep.name).set(self.index.num_blocks(rep.name))
+
+    def mark_down(self, name: str) -> None:
+        with self._lock:
+            rep = self.replicas[name]
+            if rep.healthy:
+                log.warning("router: replica %s failed a request; routing around it", name)
+            rep.healthy = False
+            rep.failures += 1
+        self.metrics.healthy.labels(name).set(0)
+
+    # -- routing ------------------------------------------------------------------------------------
+
+    def block_hashes(self, tokens: list[int] | None, cache_salt: str | None) -> list[bytes]:
+        if not tokens:
+            return []
+        return list(CacheRequest("route", tokens, hasher=self.hasher, cache_salt=cache_salt).block_hashes)
+
+    def pick(self, hashes: list[bytes], exclude: set[str]) -> tuple[str, int] | None:
+        """The replica for a request with these block hashes (and its matched blocks), counting it in
+        flight there; None when no healthy replica is left."""
+        now = time.monotonic()
+        with self._lock:
+            cands = [n for n, r in self.replicas.items() if r.healthy and n not in exclude]
+            if not cands:
+                return None
+            self._rr += 1
+            for r in self.replicas.values():
+                r.load.decay(now, self.recent_half_life_s)
+            # The last token is always recomputed, so a prompt of exactly k blocks can hit k - 1 at most;
+            # what matters for the choice is the relative length, so all full blocks are compared.
+            if self.policy == "round-robin":
+                name = cands[self._rr % len(cands)]
+                matched = self.index.match(hashes, [name])[name][0] if hashes else 0
+                reason = "round-robin"
+            else:
+                matched_all = self.index.match(hashes, cands) if hashes else {}
+                for n in cands:
+                    rep = self.replicas[n]
+                    approx = (self.routed if rep.subscriber is None else self.pending).match(hashes, n, now)
+                    got = matched_all.get(n, (0, 0.0))
+                    if approx > got[0]:  # routed there recently: its events have not arrived yet
+                        matched_all[n] = (approx, got[1] + (approx - got[0]))
+                c = choose(cands, matched_all, {n: self.replicas[n].load for n in cands}, len(hashes),
+                           beta=self.beta, gamma=self.gamma, tie_break=self._rr)
+                name, matched, reason = c.replica, c.matched_blocks, c.reason
+            rep = self.replicas[name]
+            rep.load.in_flight += 1
+            rep.load.recent += 1
+            rep.routed += 1
+        (self.routed if rep.subscriber is None else self.pending).record(name, hashes, now)
+        m = self.metrics
+        m.decisions.labels(name, reason).inc()
+        m.in_flight.labels(name).set(rep.load.in_flight)
+        if hashes:
+            m.prompt_blocks.inc(len(hashes))
+            m.matched_blocks.inc(matched)
+            m.matched_fraction.observe(matched / len(hashes))
+        return name, matched
+
+    def done(self, name: str) -> None:
+        with self._lock:
+            rep = self.replicas[name]
+            rep.load.in_flight = max(0, rep.load.in_flight - 1)
+            rep.load.done_at = time.monotonic()
+        self.metrics.in_flight.labels(name).set(rep.load.in_flight)
+
+    # -- tokenization -------------------------------------------------------------------------------
+
+    def tokens_of(self, path: str, body: dict[str, Any]) -> tuple[list[int] | None, str | None]:
+        with self._tok_lock:
+            return self._tokens_of(path, body)
+
+    def _tokens_of(self, path: str, body: dict[str, Any]) -> tuple[list[int] | None, str | None]:
+        """The prompt's token ids as a replica would compute them, and the cache salt; (None, None) when
+        the router cannot tell (no tokenizer for a text prompt, or a body the replica will reject)."""
+        try:
+            if path.endswith("/chat/completions"):
+                req = ChatCompletionRequest.model_validate(body)
+                if self.tokenizer is None:
+                    return None, req.cache_salt
+                ids = self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True,
+                                                         tokenize=True)
+                if not isinstance(ids, list):
+                    ids = ids["input_ids"]
+                return list(ids), req.cache_salt
+            creq = CompletionRequest.model_validate(body)
+            prompt = creq.single_prompt()
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    return None, creq.cache_salt
+                return list(self.tokenizer.encode(prompt)), creq.cache_salt
+            return list(prompt), creq.cache_salt
+        except (ValidationError, ValueError, TypeError, KeyError):
+            return None, None
+        except Exception as e:  # a template that refuses the conversation: the replica will say why
+            log.debug("router: could not tokenize (%s)", e)
+            return None, None
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {n: {"healthy": r.healthy, "routed": r.routed, "in_flight": r.load.in_flight,
+                        "running": r.load.running, "waiting": r.load.waiting, "kv_usage": r.load.kv_usage,
+                        "indexed_blocks": self.index.num_blocks(n), "failures": r.failures,
+                        "events": r.subscriber is not None}
+                    for n, r in self.replicas.items()}
+
+
+def _read_metrics(text: str) -> dict[str, float]:
+    """The few gauges the policy reads, from a kvpool (`kvpool:x`) or vLLM (`vllm:x`) /metrics page."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        short = name.split(":", 1)[-1]
+        if short in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            with contextlib.suppress(ValueError):
+                out[short] = out.get(short, 0.0) + float(rest.rsplit(" ", 1)[-1])
+    return out
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}.get(status, "error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
+
+
+def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: int = 3,
+               request_timeout_s: float = 600.0) -> FastAPI:
+    app = FastAPI(title="kvpool router", docs_url=None, redoc_url=None, openapi_url=None)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=2.0),
+                               limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    app.state.client = client
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not any(r.healthy for r in router.replicas.values()):
+            return _error(503, "no replica is healthy")
+        return JSONResponse({"status": "ok", "replicas": router.snapshot()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/state")
+    async def state() -> JSONResponse:
+        return JSONResponse(router.snapshot())
+
+    async def forward_get(path: str, request: Request) -> Response:
+        for name, rep in router.replicas.items():
+            if not rep.healthy:
+                continue
+            try:
+                r = await client.get(f"{name}{path}", headers=_headers(request))
+            except httpx.HTTPError:
+                router.mark_down(name)
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        router.metrics.failed.inc()
+        return _error(503, "no replica is healthy")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward_get("/v1/models", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy("/v1/chat/completions", request)
+
+    async def proxy(path: str, request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            return _error(413, f"body: over the limit of {max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return _error(400, f"body: invalid JSON ({e})")
+        if not isinstance(body, dict):
+            return _error(400, "body: must be a JSON object")
+        tokens, salt = await asyncio.to_thread(router.tokens_of, path, body)
+        hashes = router.block_hashes(tokens, salt)
+        stream = bool(body.get("stream"))
+        tried: set[str] = set()
+        headers = _headers(request)
+        for _ in range(max_attempts):
+            picked = router.pick(hashes, tried)
+            if picked is None:
+                break
+            name = picked[0]
+            tried.add(name)
+            try:
+                req = client.build_request("POST", f"{name}{path}", content=raw, headers=headers)
+                resp = await client.send(req, stream=True)
+            except httpx.HTTPError:
+                router.done(name)
+                router.mark_down(name)
+                router.metrics.retries.labels(name).inc()
+                continue
+            if resp.status_code == 503:  # overloaded or its engine died: try another before giving up
+                await resp.aclose()
+                router.done(name)
+                router.metrics.retries.labels(name).inc()
+                continue
+            if not stream:
+                try:
+                    content = await resp.aread()
+                except httpx.HTTPError:  # died mid-answer: the client has seen nothing yet
+                    await resp.aclose()
+                    router.done(name)
+                    router.mark_down(name)
+                    router.metrics.retries.labels(name).inc()
+                    continue
+                router.done(name)
+                return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
+                                headers={"x-kvpool-replica": name})
+            # Streaming: wait for the first bytes before committing, so a replica that dies before
+            # answering is still retried elsewhere.
+            chunks = resp.aiter_raw()
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except httpx.HTTPError:
+                await resp.aclose()
+                router.done(name)
+                router.mark_down(name)
+                router.metrics.retries.labels(name).inc()
+                continue
+            return StreamingResponse(_relay(first, chunks, resp, router, name), status_code=resp.status_code,
+                                     media_type=resp.headers.get("content-type"),
+                                     headers={"Cache-Control": "no-cache", "x-kvpool-replica": name})
+        router.metrics.failed.inc()
+        return _error(503, "no replica could take the request; retry later")
+
+    return app
+
+
+async def _relay(first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, router: Router, name: str
+                 ) -> AsyncIterator[bytes]:
+    try:
+        if first:
+            yield first
+        async for c in chunks:
+            yield c
+    except httpx.HTTPError as e:
+        router.mark_down(name)
+        msg = {"error": {"message": f"replica failed mid-stream: {e}", "type": "service_unavailable", "code": 503}}
+        yield f"data: {json.dumps(msg)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await resp.aclose()
+        router.done(name)
+
+
+def _headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+
+
+@dataclass
+class RouterHandle:
+    url: str
+    router: Router
+    _server: Any
+    _thread: threading.Thread
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.router.stop()
+
+
+def load_tokenizer(model: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    from kvpool.runner.model_files import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+def start_router(router: Router, *, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> RouterHandle:
+    """The router on a background thread (tests, benchmarks); port 0 picks a free one."""
+    import uvicorn
+
+    router.start()
+    app = create_app(router, **kw)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="kvpool-router-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            router.stop()
+            raise RuntimeError(f"the router did not start on {host}:{port}")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return RouterHandle(f"http://{host}:{bound}", router, server, thread)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    specs = [ReplicaSpec.parse(s) for s in args.replica]
+    if args.block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {args.block_size}")
+    tokenizer = load_tokenizer(args.model)
+    router = Router(specs, tokenizer=tokenizer, block_size=args.block_size, hash_algo=args.hash_algo,
+                    hash_seed=args.hash_seed, beta=args.load_weight, policy=args.policy)
+    router.start()
+    log.info("routing to %d replicas on http://%s:%d", len(specs), args.host, args.port)
+    try:
+        uvicorn.run(create_app(router, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
+                    log_level="info", lifespan="off")
+    finally:
+        router.stop()

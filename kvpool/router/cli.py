@@ -1,0 +1,20 @@
+"""The `kvpool router` flags, apart from the app so that building the CLI parser stays cheap."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", action="append", required=True, metavar="URL[,events=EP][,replay=EP][,topic=T]",
+                   help="a replica's base URL, with its KV event endpoints (repeat per replica)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="the replicas' model folder, for its tokenizer (default: SmolLM2)")
+    p.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size")
+    p.add_argument("--hash-algo", default="sha256", choices=["sha256", "xxh3_128"], help="the replicas' --hash-algo")
+    p.add_argument("--hash-seed", default=None, help="the replicas' hash seed, if they set one")
+    p.add_argument("--policy", default="cache", choices=["cache", "round-robin"])
+    p.add_argument("--load-weight", type=float, default=1.0,
+                   help="beta: how much relative load outweighs cache affinity (0: cache only)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)

@@ -1,0 +1,44 @@
+"""The store tier: KV blocks below the host tier, in a local directory or a Redis/Valkey server shared by
+replicas, with its I/O on a background thread (`worker`). See `base` for keys, values and fault handling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from kvpool.store.base import (
+    FORMAT_VERSION,
+    BlockStore,
+    Fingerprint,
+    KVStore,
+    StoreError,
+    StoreStats,
+    decode_value,
+    encode_value,
+    model_identity,
+)
+
+
+def open_store(url: str) -> KVStore:
+    """A backend from its URL: `file:///abs/path` or `redis://host:port[/db][?ttl=SECONDS]` (`valkey://`
+    is the same protocol)."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"kv_store: {url!r} is not a URL (file:///path or redis://host:port)")
+    u = urlparse(url)
+    if u.scheme == "file":
+        if u.netloc not in ("", "localhost"):
+            raise ValueError(f"kv_store: file URLs name a local path, got host {u.netloc!r} (use file:///abs/path)")
+        if not u.path:
+            raise ValueError("kv_store: file:// URL without a path")
+        from kvpool.store.file_store import FileStore
+
+        return FileStore(Path(unquote(u.path)))
+    if u.scheme in ("redis", "valkey"):
+        from kvpool.store.redis_store import RedisStore
+
+        return RedisStore(url)
+    raise ValueError(f"kv_store: unknown scheme {u.scheme!r} in {url!r}; use file:// or redis://")
+
+
+__all__ = ["FORMAT_VERSION", "BlockStore", "Fingerprint", "KVStore", "StoreError", "StoreStats", "decode_value",
+           "encode_value", "model_identity", "open_store"]

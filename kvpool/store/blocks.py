@@ -1,0 +1,69 @@
+"""Block payloads for the store: the K/V of one block for every layer of its group, as bytes, from and to
+the host tier's tensors (the runner's `host_kv_caches`: per layer a (K, V) pair shaped
+(kv_heads, num_blocks, block_size, head_dim)).
+
+`gather` copies the bytes out at once, so a later swap that reuses the host block cannot change what is
+written to the store (the write itself happens later, on the store worker's thread). `layout` names the
+page layout for the fingerprint: a replica whose layers, heads, block size, head size, dtype or byte order
+differ gets another fingerprint, and so never reads these bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvpool.store.base import Fingerprint, model_identity
+
+Caches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def layout(caches: Caches) -> str:
+    k = caches[0][0]
+    heads, _, block, dim = k.shape
+    return f"L{len(caches)}:KV:{heads}x{block}x{dim}:{str(k.dtype).removeprefix('torch.')}:{sys.byteorder}"
+
+
+def block_nbytes(caches: Caches) -> int:
+    k = caches[0][0]
+    heads, _, block, dim = k.shape
+    return 2 * len(caches) * heads * block * dim * k.element_size()
+
+
+def gather(caches: Caches, block_ids: Sequence[int]) -> list[bytes]:
+    """One payload per block: layer by layer, K then V, each (kv_heads, block_size, head_dim) row-major."""
+    if not block_ids:
+        return []
+    idx = torch.tensor(list(block_ids), dtype=torch.long)
+    # (layers, 2, heads, n, block, dim) -> (n, layers, 2, heads, block, dim): one contiguous run per block.
+    stacked = torch.stack([torch.stack((k.index_select(1, idx), v.index_select(1, idx))) for k, v in caches])
+    per_block = stacked.permute(3, 0, 1, 2, 4, 5).contiguous().view(torch.uint8).reshape(len(block_ids), -1)
+    raw = per_block.numpy().tobytes()
+    n = per_block.shape[1]
+    return [raw[i * n:(i + 1) * n] for i in range(len(block_ids))]
+
+
+def scatter(caches: Caches, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    """Write payloads into the given host blocks (the inverse of `gather`)."""
+    if not block_ids:
+        return
+    want = block_nbytes(caches)
+    for p in payloads:
+        if len(p) != want:
+            raise ValueError(f"payload: {len(p)} bytes, a block of this layout has {want}")
+    k0 = caches[0][0]
+    heads, _, block, dim = k0.shape
+    data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(k0.dtype)
+    blocks = data.reshape(len(block_ids), len(caches), 2, heads, block, dim)
+    idx = torch.tensor(list(block_ids), dtype=torch.long)
+    for layer, (k, v) in enumerate(caches):
+        k.index_copy_(1, idx, blocks[:, layer, 0].permute(1, 0, 2, 3))
+        v.index_copy_(1, idx, blocks[:, layer, 1].permute(1, 0, 2, 3))
+
+
+def fingerprint(model_dir: str | Path, caches: Caches, block_size: int, group: int = 0) -> Fingerprint:
+    return Fingerprint(model=model_identity(model_dir), dtype=str(caches[0][0].dtype).removeprefix("torch."),
+                       block_size=block_size, group=group, layout=layout(caches))

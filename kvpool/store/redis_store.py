@@ -1,0 +1,73 @@
+"""`redis://host:port[/db]`: a Redis-protocol server shared by replicas (Redis or Valkey; `valkey://` is an
+alias). Each batch is one round trip: SETs in one non-transactional pipeline, reads with one MGET.
+
+A short connect timeout (0.5 s) finds a dead server fast; reads and writes get 2 s, enough for a batch of
+many MiB (16 blocks of SmolLM2 are 11 MiB: ~0.1 s on loopback), and only the store worker ever waits on
+them. redis-py opens a new connection on the next call after a failure, which is the reconnect. A server
+at its memory limit under `noeviction` answers writes with an OOM error: that is "full", and the blocks are
+simply not stored (configure the server with `maxmemory` and `maxmemory-policy allkeys-lru` to make it a cache instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from urllib.parse import parse_qs, urlparse
+
+from kvpool.store.base import KVStore, StoreError
+
+
+class RedisStore(KVStore):
+    def __init__(self, url: str, *, timeout_s: float = 2.0, connect_timeout_s: float = 0.5, ttl_s: int | None = None
+                 ) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        u = urlparse(url)
+        if not u.hostname:
+            raise ValueError(f"kv_store: {url!r} names no host (expected redis://HOST:PORT)")
+        q = parse_qs(u.query)
+        if "ttl" in q:
+            try:
+                ttl_s = int(q["ttl"][0])
+            except ValueError:
+                raise ValueError(f"kv_store: ttl={q['ttl'][0]!r} is not a whole number of seconds") from None
+        try:
+            db = int(u.path.strip("/") or 0)
+        except ValueError:
+            raise ValueError(f"kv_store: database {u.path!r} is not a number") from None
+        self.url = f"redis://{u.hostname}:{u.port or 6379}/{db}"
+        self.ttl_s = ttl_s
+        self._errors = (redis.RedisError, OSError)
+        self.client = redis.Redis(host=u.hostname, port=u.port or 6379, db=db, password=u.password,
+                                  username=u.username, socket_timeout=timeout_s,
+                                  socket_connect_timeout=connect_timeout_s,
+                                  # No retries inside a call: BlockStore backs off and tries again later.
+                                  retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k, v in items:
+                pipe.set(k, v, ex=self.ttl_s)
+            pipe.execute()
+        except self._errors as e:
+            raise StoreError(str(e)) from e
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        try:
+            return list(self.client.mget(keys))
+        except self._errors as e:
+            raise StoreError(str(e)) from e
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return [bool(n) for n in pipe.execute()]
+        except self._errors as e:
+            raise StoreError(str(e)) from e
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,121 @@
+"""Store I/O off the critical path: one background thread with a bounded queue per direction.
+
+The engine thread only enqueues: `write` hands over (hash, payload) pairs (the caller has already copied
+the bytes out of any buffer a later swap could overwrite) and `fetch` returns a Future at once. The
+thread merges queued writes into one round trip and serves fetches before writes, since a waiting
+request is waiting on a fetch while a write only helps some later request. When the write queue is full
+the new blocks are dropped and counted (a slow store must not grow memory without bound, nor make the
+engine wait), which is the same as a miss later. A closed worker answers every fetch with misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from kvpool.store.base import BlockStore, StoreStats
+
+log = logging.getLogger(__name__)
+
+Payload = bytes | bytearray | memoryview
+
+
+class StoreWorker:
+    def __init__(self, store: BlockStore, *, max_pending_writes: int = 4096, max_batch: int = 64) -> None:
+        self.store = store
+        self.max_pending_writes = max_pending_writes
+        self.max_batch = max_batch
+        self._writes: deque[tuple[bytes, Payload]] = deque()
+        self._fetches: queue.SimpleQueue[tuple[list[bytes], Future[list[bytes | None]]] | None] = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._inflight: set[bytes] = set()  # hashes queued or being written: no duplicate writes
+        self._thread = threading.Thread(target=self._run, name="kvpool-store", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> StoreStats:
+        return self.store.stats
+
+    def write(self, blocks: Sequence[tuple[bytes, Payload]]) -> int:
+        """Queue blocks for writing; returns how many were queued (the rest were dropped: queue full)."""
+        queued = 0
+        with self._cv:
+            if self._closed:
+                return 0
+            for h, p in blocks:
+                if h in self._inflight:
+                    continue
+                if len(self._writes) >= self.max_pending_writes:
+                    self.store.stats.add(dropped_puts=len(blocks) - queued)
+                    break
+                self._writes.append((h, p))
+                self._inflight.add(h)
+                queued += 1
+            self._cv.notify()
+        return queued
+
+    def fetch(self, hashes: Sequence[bytes]) -> Future[list[bytes | None]]:
+        """Payloads of the blocks (None per miss), read in one round trip on the worker thread."""
+        fut: Future[list[bytes | None]] = Future()
+        if self._closed:
+            fut.set_result([None] * len(hashes))
+            return fut
+        self._fetches.put((list(hashes), fut))
+        with self._cv:
+            self._cv.notify()
+        return fut
+
+    def pending_writes(self) -> int:
+        with self._cv:
+            return len(self._inflight)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued write has been attempted (tests, benchmarks, shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._inflight, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._fetches.put(None)
+        self._thread.join(timeout)
+        self.store.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or self._writes or not self._fetches.empty())
+                if self._closed and not self._writes and self._fetches.empty():
+                    return
+            # Fetches first: a request is waiting on them.
+            while True:
+                try:
+                    job = self._fetches.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    continue
+                hashes, fut = job
+                try:
+                    fut.set_result(self.store.get(hashes))
+                except Exception as e:  # never let one bad call kill the thread
+                    log.exception("KV store fetch failed")
+                    fut.set_exception(e)
+            with self._cv:
+                batch = [self._writes.popleft() for _ in range(min(self.max_batch, len(self._writes)))]
+            if batch:
+                try:
+                    self.store.put(batch)
+                except Exception:
+                    log.exception("KV store write failed")
+                with self._cv:
+                    for h, _ in batch:
+                        self._inflight.discard(h)
+                    self._cv.notify_all()

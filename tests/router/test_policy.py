@@ -1,0 +1,97 @@
+"""The router's index and policy on their own: event bookkeeping per tier, longest prefix, and the
+prefix/load trade-off (a hot prefix spreads; a long cached prefix wins over a small load difference)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.core.hashing import BlockHasher
+from kvpool.core.request import CacheRequest
+from kvpool.router.app import ReplicaSpec, Router, _read_metrics
+from kvpool.router.index import PrefixIndex, RoutedIndex
+from kvpool.router.policy import ReplicaLoad, choose
+
+H = [bytes([i]) * 4 for i in range(8)]
+
+
+def stored(hashes: list[bytes], medium: str = "GPU") -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": [],
+            "block_size": 4, "lora_id": None, "medium": medium, "lora_name": None}
+
+
+def test_index_counts_copies_and_tiers() -> None:
+    ix = PrefixIndex()
+    ix.apply("a", [stored(H[:4]), stored(H[:2])])  # vLLM reports duplicate copies too
+    ix.apply("a", [{"type": "BlockRemoved", "block_hashes": H[:2], "medium": "GPU"}])
+    assert ix.match(H, ["a"])["a"][0] == 4  # one copy of H[0..1] is left
+    ix.apply("a", [{"type": "BlockRemoved", "block_hashes": [H[1]], "medium": "GPU"}])
+    assert ix.match(H, ["a"])["a"][0] == 1
+    ix.apply("a", [stored([H[1]], "CPU")])
+    n, w = ix.match(H, ["a"])["a"]
+    assert n == 4 and w == pytest.approx(3.8)  # a host hit is worth less than a device hit
+    ix.apply("b", [stored(H[:3], "STORAGE")])  # the shared store counts for every replica
+    assert ix.match(H, ["b", "c"]) == {"b": (3, 1.5), "c": (3, 1.5)}
+    ix.apply("a", [{"type": "AllBlocksCleared"}])
+    assert ix.match(H, ["a"])["a"][0] == 3  # only the store's blocks are left
+    assert ix.num_blocks("a") == 0
+
+
+def test_routed_index_expires() -> None:
+    ri = RoutedIndex(ttl_s=10)
+    ri.record("a", H[:3], now=0.0)
+    assert ri.match(H, "a", now=5.0) == 3 and ri.match(H, "a", now=11.0) == 0 and ri.match(H, "b", now=1) == 0
+
+
+def test_hot_prefix_spreads_but_long_prefix_wins() -> None:
+    loads = {"a": ReplicaLoad(), "b": ReplicaLoad()}
+    matched: dict[str, tuple[int, float]] = {"a": (9, 9.0), "b": (0, 0.0)}
+    assert choose(["a", "b"], matched, loads, 10).replica == "a"  # equal load: the cache decides
+    loads["a"].in_flight = 2
+    assert choose(["a", "b"], matched, loads, 10).replica == "b"  # a runs ahead: the idle one takes it
+    loads["a"].in_flight, loads["b"].in_flight = 3, 2
+    assert choose(["a", "b"], matched, loads, 10).replica == "a"  # a small difference: the cache still wins
+    # Everything cold and idle: ties rotate.
+    cold = {"a": ReplicaLoad(), "b": ReplicaLoad()}
+    assert {choose(["a", "b"], {}, cold, 10, tie_break=i).replica for i in range(4)} == {"a", "b"}
+
+
+def test_load_never_vanishes_between_paced_requests() -> None:
+    ld = ReplicaLoad()
+    ld.recent, ld.recent_at = 1.0, 0.0
+    ld.decay(2.0, half_life_s=2.0)
+    assert ld.load == pytest.approx(0.5)
+
+
+def test_replica_spec_and_metrics_parsing() -> None:
+    s = ReplicaSpec.parse("http://h:1/,events=tcp://h:2,replay=tcp://h:3,topic=kv")
+    assert (s.url, s.events, s.replay, s.topic) == ("http://h:1", "tcp://h:2", "tcp://h:3", "kv")
+    for bad in ("h:1", "http://h:1,evnts=tcp://x:1", "http://h:1,events=h:2"):
+        with pytest.raises(ValueError, match="replica"):
+            ReplicaSpec.parse(bad)
+    text = ('# HELP x\nkvpool:num_requests_running{model_name="m"} 2.0\n'
+            'kvpool:num_requests_waiting{model_name="m"} 3.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
+    assert _read_metrics(text) == {"num_requests_running": 2.0, "num_requests_waiting": 3.0,
+                                   "kv_cache_usage_perc": 0.25}
+
+
+def test_router_notices_replicas_hashing_differently() -> None:
+    tokens = list(range(16))
+    theirs = CacheRequest("x", tokens, hasher=BlockHasher(16, "xxh3_128")).block_hashes[0]
+    ours = CacheRequest("x", tokens, hasher=BlockHasher(16)).block_hashes[0]
+    r = Router([ReplicaSpec("http://a:1"), ReplicaSpec("http://b:1")], block_size=16)
+    for name, h in (("http://a:1", ours), ("http://b:1", theirs)):
+        r._on_batch(name, [{**stored([h]), "token_ids": tokens, "block_size": 16}])
+    assert r.metrics.hash_mismatch.labels("http://a:1")._value.get() == 0
+    assert r.metrics.hash_mismatch.labels("http://b:1")._value.get() == 1
+
+
+def test_router_hashes_like_the_replicas_including_the_salt() -> None:
+    r = Router([ReplicaSpec("http://a:1")], block_size=4)
+    toks = list(range(9))
+    plain = r.block_hashes(toks, None)
+    assert plain == CacheRequest("x", toks, hasher=BlockHasher(4)).block_hashes and len(plain) == 2
+    salted = r.block_hashes(toks, "tenant-a")
+    assert salted == CacheRequest("x", toks, hasher=BlockHasher(4), cache_salt="tenant-a").block_hashes
+    assert salted[0] != plain[0]
+    assert r.tokens_of("/v1/completions", {"prompt": toks, "cache_salt": "s"}) == (toks, "s")
+    assert r.tokens_of("/v1/completions", {"prompt": "text"}) == (None, None)  # no tokenizer: route by load

@@ -1,0 +1,212 @@
+"""The router between real processes' worth of servers: two kvpool replicas (real HTTP, real ZeroMQ
+events) behind `kvpool router`, all on 127.0.0.1.
+
+- a conversation's next turn goes to the replica that cached the previous one (by its events), and the
+  answer is the one a replica gives directly, streamed or not;
+- one hot prefix for every request does not pile onto one replica;
+- a replica without events is routed by what the router sent it (the approximate index);
+- a replica that dies is routed around, and requests that had not started streaming are retried;
+- the router started after its replicas learns their caches through the replay socket;
+- /metrics and bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from replicas import start_front, start_replica
+from server_helpers import metric
+
+from kvpool.router.app import ReplicaSpec, Router, RouterHandle
+from kvpool.server.serve import ServerHandle
+
+SYSTEM = "You are a careful assistant. " * 12  # > 3 blocks of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def cluster(chat_llama_dir: Path, chat_tokenizer: Any) -> Iterator[tuple[RouterHandle, list[ServerHandle]]]:
+    reps = [start_replica(chat_llama_dir) for _ in range(2)]
+    front = start_front([s for _, s in reps], chat_tokenizer)
+    time.sleep(0.3)  # subscribers connected (the replay covers anything earlier anyway)
+    yield front, [h for h, _ in reps]
+    front.stop()
+    for h, _ in reps:
+        h.stop()
+
+
+def chat(url: str, messages: list[dict[str, str]], **kw: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                           **kw}, timeout=60)
+
+
+def wait_indexed(front: RouterHandle, replica: str, at_least: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while front.router.index.num_blocks(replica) < at_least:
+        assert time.monotonic() < deadline, "events did not reach the router"
+        time.sleep(0.02)
+
+
+def test_next_turn_follows_the_cache(cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    front, reps = cluster
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache? " * 3}]
+    r1 = chat(front.url, turn1)
+    assert r1.status_code == 200, r1.text
+    home = r1.headers["x-kvpool-replica"]
+    wait_indexed(front, home, 3)
+    other = next(h.url for h in reps if h.url != home)
+    # Make the cache's home busier than the other replica by a little: the cache must still win.
+    turn2 = [*turn1, {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And why page it?"}]
+    r2 = chat(front.url, turn2)
+    assert r2.headers["x-kvpool-replica"] == home
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * 16
+    direct = chat(other, turn2)  # the same answer from the other replica, computed from scratch
+    assert direct.json()["choices"][0]["message"]["content"] == r2.json()["choices"][0]["message"]["content"]
+    # Streaming through the router: the same text, SSE chunks ending in [DONE].
+    with httpx.stream("POST", f"{front.url}/v1/chat/completions", timeout=60,
+                      json={"messages": turn2, "max_tokens": 6, "temperature": 0, "stream": True}) as s:
+        # (The third request for this prefix in a row may go to the other replica: load evens out.)
+        assert s.status_code == 200 and s.headers["x-kvpool-replica"] in (home, other)
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content", "") for ln in lines[:-1])
+    assert text == r2.json()["choices"][0]["message"]["content"]
+    assert metric(front.url, "kvpool_router:matched_blocks_total") >= 3
+
+
+def test_hot_prefix_is_spread(cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    front, _ = cluster
+    before = {n: r.routed for n, r in front.router.replicas.items()}
+    for i in range(12):  # one shared prefix, sent one after another (in-flight is 0 at every decision)
+        r = httpx.post(f"{front.url}/v1/completions", timeout=60,
+                       json={"prompt": SYSTEM + f" question {i}", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+    counts = [r.routed - before[n] for n, r in front.router.replicas.items()]
+    assert max(counts) <= 1.5 * (sum(counts) / len(counts)), counts
+
+
+def test_metrics_and_bad_input(cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    front, reps = cluster
+    assert metric(front.url, "kvpool_router:replica_healthy") == 2
+    assert metric(front.url, "kvpool_router:event_batches_total") >= 1
+    assert metric(front.url, "kvpool_router:hash_mismatches_total") == 0
+    assert front.router._checked_hash == {h.url for h in reps}  # both replicas' hashes were reproduced
+    r = httpx.post(f"{front.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body")
+    r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # the replica's own 400
+    assert httpx.get(f"{front.url}/v1/models").json()["data"][0]["id"] == "tiny"
+    with pytest.raises(ValueError, match="replica"):
+        Router([])
+
+
+def test_replica_without_events_uses_the_routed_index(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    reps = [start_replica(chat_llama_dir, events=False) for _ in range(2)]
+    front = start_front([s for _, s in reps], chat_tokenizer, recent_half_life_s=0.1)
+    try:
+        homes = []
+        for i in range(3):
+            prompt = SYSTEM + " and again" * i
+            r = httpx.post(f"{front.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+            homes.append(r.headers["x-kvpool-replica"])
+            time.sleep(0.6)  # the decayed load of the last choice fades, as between turns of a chat
+        assert len(set(homes)) == 1, homes
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * 16
+    finally:
+        front.stop()
+        for h, _ in reps:
+            h.stop()
+
+
+def test_dead_replica_is_routed_around(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    reps = [start_replica(chat_llama_dir) for _ in range(2)]
+    # Health checks far apart: the router learns of the death from the failed requests themselves.
+    front = start_front([s for _, s in reps], chat_tokenizer, health_interval_s=60)
+    try:
+        time.sleep(0.2)
+        dead = reps[0][0]
+        dead.stop()
+        outs = []
+        for i in range(4):
+            body = {"prompt": f"count {i} " * 10, "max_tokens": 3, "temperature": 0, "stream": i % 2 == 1}
+            r = httpx.post(f"{front.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvpool-replica"] == reps[1][0].url
+            outs.append(r)
+        assert not front.router.replicas[dead.url].healthy
+        assert metric(front.url, "kvpool_router:retries_total") >= 1
+        reps[1][0].stop()
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    finally:
+        front.stop()
+
+
+def test_late_router_replays_what_replicas_cached(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    h, spec = start_replica(chat_llama_dir)
+    try:
+        r = httpx.post(f"{h.url}/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        time.sleep(0.2)
+        front = start_front([spec], chat_tokenizer)
+        try:
+            wait_indexed(front, h.url, 3)
+            hashes = front.router.block_hashes(list(chat_tokenizer.encode(SYSTEM)), None)
+            assert front.router.index.match(hashes, [h.url])[h.url][0] == len(hashes)
+        finally:
+            front.stop()
+    finally:
+        h.stop()
+
+
+def test_round_robin_policy_alternates(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    specs = [ReplicaSpec("http://127.0.0.1:9"), ReplicaSpec("http://127.0.0.1:10")]
+    r = Router(specs, tokenizer=chat_tokenizer, policy="round-robin")
+    picks = [r.pick([b"x"], set()) for _ in range(4)]
+    assert Counter(p[0] for p in picks if p) == Counter({specs[0].url: 2, specs[1].url: 2})
+
+
+def test_kvpool_router_command(chat_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI as a separate process in front of a replica; and a bad --replica is a clear error."""
+    import subprocess
+    import sys
+
+    from replicas import free_port
+
+    from kvpool.cli import main
+
+    assert main(["router", "--replica", "localhost:8000"]) == 2
+    assert "replica: 'localhost:8000' must start with an http" in capsys.readouterr().err
+    h, spec = start_replica(chat_llama_dir)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "router", "--port", str(port), "--model",
+                             str(chat_llama_dir), "--replica", f"{spec.url},events={spec.events},replay={spec.replay}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        r = chat(url, [{"role": "user", "content": "hello " * 40}])
+        assert r.status_code == 200 and r.headers["x-kvpool-replica"] == h.url
+        r = chat(url, [{"role": "user", "content": "hello " * 40}])
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        assert metric(url, "kvpool_router:matched_blocks_total") >= 1  # the CLI's tokenizer hashes as the replica
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        h.stop()

@@ -1,0 +1,147 @@
+"""The store tier in the engine (`kv_store=`), on the tiny Llama: a replica restarted with empty device
+and host tiers gets its blocks back from the store (a file directory, or a real redis-server), with the
+same tokens as computing them; corrupted values and a store killed mid-run are misses, never failures or
+wrong tokens; a request waiting on a slow store computes after its deadline."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.store import open_store
+from kvpool.store.server import RedisServer
+
+BS = 4
+N_NEW = 6
+
+
+def prompts(seed: int = 0, n: int = 3, length: int = 61) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(n)]
+
+
+def make(model: Path, url: str | None, **kw: object) -> LLM:
+    args: dict[str, object] = dict(dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=64,
+                                   num_host_blocks=64, write_through=True, kv_store=url)
+    args.update(kw)
+    return LLM(str(model), **args)  # type: ignore[arg-type]
+
+
+def run(llm: LLM, ps: list[list[int]]) -> list:
+    return llm.generate(ps, SamplingParams.greedy(N_NEW), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path) -> list[list[int]]:
+    ref = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=128,
+              enable_prefix_caching=False)
+    return [o.token_ids for o in run(ref, prompts())]
+
+
+def restart_round(model: Path, url: str, expected: list[list[int]]) -> tuple[LLM, list]:
+    first = make(model, url)
+    assert [o.token_ids for o in run(first, prompts())] == expected
+    first.engine.store.close()  # flushes the writes; the replica goes away
+    second = make(model, url)  # a new process's worth: empty device and host tiers
+    outs = run(second, prompts())
+    return second, outs
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_restarted_replica_hits_the_store(tiny_llama_dir: Path, tmp_path: Path, expected: list[list[int]],
+                                         backend: str, request: pytest.FixtureRequest) -> None:
+    url = f"file://{tmp_path}" if backend == "file" else request.getfixturevalue("redis_server").url
+    second, outs = restart_round(tiny_llama_dir, url, expected)
+    assert [o.token_ids for o in outs] == expected
+    full = (61 - 1) // BS * BS
+    assert all(o.num_cached_tokens == full for o in outs), [o.num_cached_tokens for o in outs]
+    st = second.engine.store
+    assert st.tier.blocks_landed == 3 * (full // BS) and st.stats.round_trips >= 1
+    assert second.engine.kv.stats.host_hits == 3 * full  # landed in the host tier, swapped in from there
+    second.engine.kv.check_integrity()
+    second.engine.store.close()
+
+
+def test_corrupt_store_is_a_miss(tiny_llama_dir: Path, tmp_path: Path, expected: list[list[int]]) -> None:
+    first = make(tiny_llama_dir, f"file://{tmp_path}")
+    run(first, prompts())
+    first.engine.store.close()
+    for f in tmp_path.rglob("kvpool_*"):
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 1
+        f.write_bytes(bytes(data))
+    second = make(tiny_llama_dir, f"file://{tmp_path}")
+    outs = run(second, prompts())
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens == 0 for o in outs) and second.engine.store.stats.corrupt > 0
+    second.engine.store.close()
+
+
+def test_store_killed_mid_run(tiny_llama_dir: Path, redis_server: RedisServer, expected: list[list[int]]) -> None:
+    llm = make(tiny_llama_dir, redis_server.url)
+    assert [o.token_ids for o in run(llm, prompts()[:1])] == expected[:1]
+    redis_server.kill()
+    # Reads and writes fail now: every request still completes with the same tokens.
+    assert [o.token_ids for o in run(llm, prompts())] == expected
+    assert llm.engine.store.stats.errors >= 1
+    redis_server.start()
+    llm.engine.store.close()
+
+
+def test_refused_without_a_host_tier(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv_store"):
+        make(tiny_llama_dir, f"file://{tmp_path}", num_host_blocks=0, write_through=False)
+    with pytest.raises(ValueError, match="kv_store"):
+        make(tiny_llama_dir, "ftp://x")
+    assert open_store(f"file://{tmp_path}") is not None
+
+
+def test_store_metrics_on_the_server(chat_llama_dir: Path, tmp_path: Path) -> None:
+    import httpx
+
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.server.serve import start_server
+
+    eng = LLMEngine(model=str(chat_llama_dir), dtype="float32", num_blocks=64, block_size=16, max_model_len=256,
+                    num_host_blocks=64, write_through=True, kv_store=f"file://{tmp_path}")
+    h = start_server(eng, served_model_name="tiny")
+    try:
+        r = httpx.post(f"{h.url}/v1/completions", json={"prompt": list(range(100, 150)), "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        eng.store.tier.worker.flush(5)
+        text = httpx.get(f"{h.url}/metrics").text
+        assert 'kvpool:store_available{model_name="tiny"} 1.0' in text
+        written = [ln for ln in text.splitlines() if ln.startswith("kvpool:store_bytes_written_total")]
+        assert written and float(written[0].split()[-1]) > 0
+    finally:
+        h.stop()
+        eng.store.close()
+
+
+def test_frozen_store_costs_a_deadline_not_a_failure(tiny_llama_dir: Path, redis_server: RedisServer,
+                                                     expected: list[list[int]]) -> None:
+    """A store that stops answering (SIGSTOP: connections hang, nothing is refused): requests wait their
+    deadline, then compute with the same tokens; a request still waiting can be aborted."""
+    import os
+    import signal
+    import time
+
+    llm = make(tiny_llama_dir, redis_server.url, kv_store_deadline_s=0.3)
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        eng = llm.engine
+        req = eng.add_request(prompts(seed=5)[0], SamplingParams.greedy(2))
+        assert eng.store.is_held(req.request_id)
+        assert eng.abort_request(req.request_id) and not eng.has_unfinished_requests()
+        t0 = time.perf_counter()
+        assert [o.token_ids for o in run(llm, prompts())] == expected
+        assert time.perf_counter() - t0 < 30
+        assert eng.store.tier.requests_timed_out >= 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    llm.engine.store.close()

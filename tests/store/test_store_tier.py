@@ -1,0 +1,128 @@
+"""The store tier's engine glue with real parts: the core's host pool, real host tensors, a real store
+(directory, or a redis-server process) and the background worker.
+
+A replica's sheltered blocks are written through to the store; a restarted replica (new pool, zeroed
+tensors) asked for those hashes reads them in the background, the request waits until they land in host
+blocks (bit-identical), or until its own deadline when the store is slow or dead; a chain stops at the first
+missing block; two requests for the same blocks share one read; a store slower than recomputing is not read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+
+from kvpool.core.host_pool import HostBlockPool
+from kvpool.store import BlockStore, Fingerprint, open_store
+from kvpool.store.blocks import block_nbytes
+from kvpool.store.file_store import FileStore
+from kvpool.store.server import RedisServer
+from kvpool.store.tier import StoreTier
+from kvpool.store.worker import StoreWorker
+
+FP = Fingerprint(model="m", dtype="float32", block_size=16, layout="L2")
+H = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
+
+
+def caches(n: int, fill: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    mk = (lambda: torch.randn((2, n, 16, 8), generator=g)) if fill else (lambda: torch.zeros((2, n, 16, 8)))
+    return [(mk(), mk()) for _ in range(2)]
+
+
+def tier(url: str, **kw: object) -> StoreTier:
+    return StoreTier(StoreWorker(BlockStore(open_store(url), FP, retry_after_s=0.1)), **kw)  # type: ignore[arg-type]
+
+
+def write_replica(url: str, hashes: list[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Replica A: shelter blocks in its host tier (as the swap plan would), run the 'copies', write through."""
+    pool = HostBlockPool(8)
+    cs = caches(8, fill=True)
+    t = tier(url)
+    pairs = []
+    for i, h in enumerate(hashes):
+        hb = pool.shelter(h)
+        assert hb is not None
+        pairs.append((100 + i, hb.block_id))  # (device block, host block)
+    assert t.after_swaps(pairs, lambda i: pool.blocks[i].block_hash, cs) == len(hashes)
+    assert t.worker.flush(5)
+    t.close()
+    return [(k[:, [hb for _, hb in pairs]], v[:, [hb for _, hb in pairs]]) for k, v in cs]
+
+
+def land_all(t: StoreTier, pool: HostBlockPool, cs: list, timeout: float = 5.0) -> int:
+    n, deadline = 0, time.monotonic() + timeout
+    while time.monotonic() < deadline and t._fetches:
+        n += t.land(pool.shelter, pool.free_blocks, cs)
+        time.sleep(0.01)
+    return n
+
+
+def test_restarted_replica_gets_its_blocks_back(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    written = write_replica(url, H[:4])
+    pool, cs = HostBlockPool(8), caches(8, fill=False)
+    t = tier(url)
+    assert t.request_arrived("r1", H[:4])
+    assert t.request_arrived("r2", H[:3])  # the same blocks: no second read
+    assert t.stats.round_trips <= 1 and len(t._fetches) == 1
+    assert land_all(t, pool, cs) == 4
+    assert t.ready("r1") and t.ready("r2") and t.requests_timed_out == 0
+    ids = [pool.cached[h].block_id for h in H[:4]]
+    for (wk, wv), (k, v) in zip(written, cs, strict=True):
+        assert torch.equal(k[:, ids], wk) and torch.equal(v[:, ids], wv)
+    pool.check_integrity()
+    assert pool.get_num_free_blocks() == 8  # released after writing: ordinary cached host blocks
+    t.close()
+
+
+def test_chain_stops_at_the_first_miss(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    write_replica(url, [H[0], H[2]])
+    pool, cs = HostBlockPool(8), caches(8, fill=False)
+    t = tier(url)
+    t.request_arrived("r", H[:3])
+    assert land_all(t, pool, cs) == 1 and set(pool.cached) == {H[0]}
+    t.close()
+
+
+def test_deadline_when_the_store_is_slow(tmp_path: Path) -> None:
+    class Slow(FileStore):
+        def get_many(self, keys):  # type: ignore[no-untyped-def]
+            time.sleep(1.0)
+            return super().get_many(keys)
+
+    now = [0.0]
+    t = StoreTier(StoreWorker(BlockStore(Slow(tmp_path), FP)), deadline_s=0.5, clock=lambda: now[0])
+    assert t.request_arrived("r", H[:2])
+    assert not t.ready("r")
+    now[0] = 0.6
+    assert t.ready("r") and t.requests_timed_out == 1  # computes itself; the read lands later for others
+    t.close()
+
+
+def test_dead_store_never_holds_a_request(redis_server: RedisServer) -> None:
+    write_replica(redis_server.url, H[:2])
+    redis_server.kill()
+    pool, cs = HostBlockPool(4), caches(4, fill=False)
+    t = tier(redis_server.url)
+    t.request_arrived("r", H[:2])
+    assert land_all(t, pool, cs) == 0
+    assert t.ready("r") and t.requests_timed_out == 0  # the read failed fast: a miss, not a wait
+    assert t.stats.errors >= 1
+    assert not t.request_arrived("r2", H[:2])  # known down: nobody waits on it until it answers again
+    t.close()
+
+
+def test_store_slower_than_recompute_is_not_read(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    write_replica(url, H[:2])
+    cs = caches(4, fill=False)
+    t = tier(url, block_bytes=block_nbytes(cs), recompute_s_per_block=1e-9)
+    t.request_arrived("warm", H[:2])  # the first read measures the store
+    land_all(t, HostBlockPool(4), cs)
+    assert not t.request_arrived("r", H[:2]) and t.reads_skipped_slow == 1
+    t.close()

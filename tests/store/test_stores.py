@@ -1,0 +1,177 @@
+"""The store tier against real backends: a directory on disk and a real redis-server process.
+
+Round trips in one call per batch; a corrupted value, a value under another fingerprint, a torn file and
+a killed server all read back as misses (never wrong bytes), and the store is used again once the server
+is back."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+import redis as redis_py
+
+from kvpool.store import BlockStore, Fingerprint, KVStore, decode_value, encode_value, open_store
+from kvpool.store.file_store import FileStore
+from kvpool.store.server import RedisServer
+from kvpool.store.worker import StoreWorker
+
+FP = Fingerprint(model="tiny-weights-0", dtype="float32", block_size=16, group=0, layout="L2:2x16x2x16")
+
+
+def blocks(n: int, size: int = 4096, salt: bytes = b"") -> list[tuple[bytes, bytes]]:
+    out = []
+    for i in range(n):
+        h = hashlib.sha256(salt + i.to_bytes(4, "little")).digest()
+        out.append((h, os.urandom(size)))
+    return out
+
+
+@pytest.fixture(params=["file", "redis"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> KVStore:
+    if request.param == "file":
+        return open_store(f"file://{tmp_path}/store")
+    return open_store(request.getfixturevalue("redis_server").url)
+
+
+def test_round_trip_batched(backend: KVStore) -> None:
+    bs = BlockStore(backend, FP)
+    data = blocks(20)
+    assert bs.put(data)
+    assert bs.stats.round_trips == 1 and bs.stats.blocks_written == 20
+    got = bs.get([h for h, _ in data] + [b"\x00" * 32])
+    assert got[:20] == [p for _, p in data] and got[20] is None
+    assert bs.stats.round_trips == 2  # one MGET / one batch for 21 blocks
+    assert (bs.stats.hits, bs.stats.misses, bs.stats.corrupt) == (20, 1, 0)
+    assert bs.stats.bytes_read >= 20 * 4096
+    assert bs.exists([data[0][0], b"\x01" * 32]) == [True, False]
+    assert bs.stats.as_dict()["round_trips"] == 3
+    est = bs.stats.estimate_fetch_s(20 * 4096)
+    assert est is not None and 0 < est < 5.0
+    assert bs.prefix_length([data[0][0], data[1][0], b"\x02" * 32, data[3][0]]) == 2
+
+
+def test_corrupt_value_is_a_miss(backend: KVStore) -> None:
+    bs = BlockStore(backend, FP)
+    (h, p), (h2, p2) = blocks(2)
+    bs.put([(h, p), (h2, p2)])
+    value = backend.get_many([FP.key(h)])[0]
+    assert value is not None
+    flipped = bytearray(value)
+    flipped[len(flipped) // 2] ^= 0x40  # one bit in the payload
+    backend.put_many([(FP.key(h), bytes(flipped))])
+    assert bs.get([h, h2]) == [None, p2]
+    assert bs.stats.corrupt == 1
+    backend.put_many([(FP.key(h), value[: len(value) // 2])])  # torn
+    assert bs.get([h]) == [None]
+
+
+def test_other_fingerprint_never_reads_the_blocks(backend: KVStore) -> None:
+    writer = BlockStore(backend, FP)
+    data = blocks(3)
+    writer.put(data)
+    for other in (Fingerprint(**{**FP.__dict__, "dtype": "bfloat16"}),
+                  Fingerprint(**{**FP.__dict__, "model": "tiny-weights-1"}),
+                  Fingerprint(**{**FP.__dict__, "block_size": 32}),
+                  Fingerprint(**{**FP.__dict__, "format_version": 2})):
+        assert BlockStore(backend, other).get([h for h, _ in data]) == [None] * 3
+    # Even a value copied under the other fingerprint's key is rejected by its header.
+    other = Fingerprint(**{**FP.__dict__, "layout": "L3:2x16x2x16"})
+    h, _ = data[0]
+    backend.put_many([(other.key(h), backend.get_many([FP.key(h)])[0])])  # type: ignore[list-item]
+    reader = BlockStore(backend, other)
+    assert reader.get([h]) == [None] and reader.stats.corrupt == 1
+
+
+def test_value_of_another_block_is_a_miss() -> None:
+    (h, p), (h2, _) = blocks(2)
+    assert decode_value(FP, h, encode_value(FP, h, p)) == p
+    assert decode_value(FP, h2, encode_value(FP, h, p)) is None
+
+
+def test_file_store_writes_are_atomic(tmp_path: Path) -> None:
+    fs = FileStore(tmp_path)
+    bs = BlockStore(fs, FP)
+    data = blocks(5)
+    bs.put(data)
+    assert not [p for p in tmp_path.rglob(".tmp-*")], "temporary files left behind"
+    # A second process (a restarted replica) reads what the first wrote.
+    assert BlockStore(open_store(f"file://{tmp_path}"), FP).get([h for h, _ in data]) == [p for _, p in data]
+
+
+def test_bad_urls_name_the_field() -> None:
+    for url in ("nowhere", "s3://bucket/x", "file://host/x", "redis://:6379"):
+        with pytest.raises(ValueError, match="kv_store"):
+            open_store(url)
+
+
+def test_killed_server_gives_misses_then_reconnects(redis_server: RedisServer) -> None:
+    bs = BlockStore(open_store(redis_server.url), FP, retry_after_s=0.2)
+    first, later = blocks(4), blocks(4, salt=b"later")
+    assert bs.put(first)
+    redis_server.kill()
+    t0 = time.perf_counter()
+    assert bs.get([h for h, _ in first]) == [None] * 4  # a miss, not an exception
+    assert not bs.put(later)
+    assert time.perf_counter() - t0 < 3.0, "a dead store must cost little"
+    assert bs.stats.errors >= 1 and not bs.available
+    assert bs.get([first[0][0]]) == [None]  # backing off: not even tried
+    assert bs.stats.skipped >= 1
+    redis_server.start()  # same port, empty (no persistence)
+    time.sleep(0.25)
+    assert bs.put(later)
+    assert bs.available
+    assert bs.get([h for h, _ in later]) == [p for _, p in later]
+
+
+def test_full_server_drops_writes_without_failing(redis_server: RedisServer) -> None:
+    redis_server.stop()
+    small = RedisServer(redis_server.binary, maxmemory="2mb").start()
+    try:
+        bs = BlockStore(open_store(small.url), FP, retry_after_s=0.0)
+        ok = [bs.put(blocks(8, size=64 << 10, salt=bytes([i]))) for i in range(8)]
+        assert ok[0] and not all(ok), "the server should refuse writes past maxmemory"
+        assert bs.stats.errors >= 1
+        assert bs.get([blocks(8, size=16, salt=b"\x00")[0][0]])[0] is not None  # reads still work
+    finally:
+        small.stop()
+
+
+def test_worker_keeps_io_off_the_caller(redis_server: RedisServer) -> None:
+    w = StoreWorker(BlockStore(open_store(redis_server.url), FP), max_batch=16)
+    data = blocks(40)
+    t0 = time.perf_counter()
+    assert w.write(data) == 40
+    assert w.write(data[:5]) == 0  # already queued: not written twice
+    assert time.perf_counter() - t0 < 0.05
+    assert w.flush(5)
+    assert w.stats.round_trips == 3  # 40 blocks in batches of 16
+    fut = w.fetch([h for h, _ in data[:10]])
+    assert fut.result(5) == [p for _, p in data[:10]]
+    redis_server.kill()
+    assert w.fetch([data[0][0]]).result(5) == [None]
+    w.close()
+    assert w.fetch([data[0][0]]).result(0) == [None]
+
+
+def test_worker_drops_writes_when_its_queue_is_full(tmp_path: Path) -> None:
+    class Slow(FileStore):
+        def put_many(self, items):  # type: ignore[no-untyped-def]
+            time.sleep(0.2)
+            super().put_many(items)
+
+    w = StoreWorker(BlockStore(Slow(tmp_path), FP), max_pending_writes=4, max_batch=4)
+    queued = w.write(blocks(4)) + w.write(blocks(20, salt=b"more"))
+    assert queued < 24 and w.stats.dropped_puts == 24 - queued
+    w.close()
+
+
+def test_redis_client_sees_framed_values(redis_server: RedisServer) -> None:
+    bs = BlockStore(open_store(redis_server.url), FP)
+    (h, p), = blocks(1)
+    bs.put([(h, p)])
+    raw = redis_py.Redis(port=redis_server.port).get(FP.key(h))
+    assert raw is not None and raw.startswith(b"KVPB") and p in raw
