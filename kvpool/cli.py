@@ -12,6 +12,9 @@ from typing import Any
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    from kvpool.core.eviction import policy_names
+    from kvpool.core.host_pool import host_policy_names
+
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -24,9 +27,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--swap-space", default="0", help="host KV tier size (e.g. 4GiB); 0 disables it")
-    g.add_argument("--host-eviction", default="lru", choices=["lru", "arc"], help="host tier eviction policy")
+    g.add_argument("--eviction-policy", default="lru", choices=policy_names(),
+                   help="device tier eviction policy (see kvpool bench policy)")
+    g.add_argument("--host-eviction", default="lru", choices=host_policy_names(), help="host tier eviction policy")
     g.add_argument("--write-through", action="store_true",
                    help="copy every newly full block to the host tier, not only when evicted")
+    g.add_argument("--state-retention-tokens", type=int, default=512,
+                   help="state models: keep the state every this many prompt tokens (0: only at the end)")
+    g.add_argument("--kv-store", default=None, metavar="URL",
+                   help="store tier below the host tier: file:///dir or redis://host:port (needs --swap-space)")
+    g.add_argument("--kv-store-deadline", type=float, default=2.0,
+                   help="seconds a request waits for its store reads before computing the blocks itself")
     g.add_argument("--no-hybrid-allocator", action="store_true",
                    help="keep every layer's blocks as full attention does (the uniform allocator, to compare)")
     g.add_argument("--no-native-kernels", action="store_true",
@@ -38,7 +49,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 hash_algo=a.hash_algo, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, swap_space=a.swap_space,
-                host_eviction=a.host_eviction, write_through=a.write_through,
+                host_eviction=a.host_eviction, write_through=a.write_through, kv_store=a.kv_store,
+                kv_store_deadline_s=a.kv_store_deadline, state_retention_tokens=a.state_retention_tokens,
+                eviction_policy=a.eviction_policy,
                 hybrid_allocator=not a.no_hybrid_allocator, native_kernels=not a.no_native_kernels)
 
 
@@ -64,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_options.add_arguments(srv)
     add_engine_arguments(srv)
 
+    from kvpool.router import cli as router_cli
+
+    router_cli.add_arguments(sub.add_parser("router", help="a cache-aware OpenAI-compatible front door for N replicas"))
+
     sub.add_parser("build-kernels", help="compile kvpool's CPU kernels for this machine (else done at first use)")
 
     from kvpool.omni import cli as omni_cli
@@ -72,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from kvpool.bench import manager, memory, multiturn, prefix
+    from kvpool.bench import manager, memory, multiturn, policy, prefix
 
     manager.add_arguments(bsub.add_parser("manager", help="replay a trace through the cache manager alone"))
+    policy.add_arguments(bsub.add_parser("policy", help="eviction policies vs the offline optimum"))
     memory.add_arguments(bsub.add_parser("memory", help="KV memory of hybrid models: uniform vs kvpool's allocator"))
     bp = bsub.add_parser("prefix", help="shared-prefix workload: kvpool with/without caching vs transformers")
     prefix.add_arguments(bp)
@@ -85,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import serve as bench_serve
 
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-test an OpenAI-compatible server on this machine"))
+
+    from kvpool.bench import cluster as bench_cluster
+
+    bench_cluster.add_arguments(bsub.add_parser("cluster", help="two replicas + router on loopback: routing policies"))
+
+    from kvpool.bench import store as bench_store
+
+    bench_store.add_arguments(bsub.add_parser("store", help="the store tier's backends: throughput, round trips"))
 
     from kvpool.bench import omni as bench_omni
 
@@ -155,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
 
             serve.run(args, engine_kwargs(args))
 
+        elif args.command == "router":
+            from kvpool.router import app as router_app
+
+            router_app.run(args)
         elif args.command == "build-kernels":
             from kvpool.runner import kernels
 
@@ -163,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvpool.omni import cli as omni_cli
 
             omni_cli.run(args)
+        elif args.command == "bench" and args.bench == "cluster":
+            from kvpool.bench import cluster as bench_cluster
+
+            bench_cluster.run(args)
+        elif args.command == "bench" and args.bench == "store":
+            from kvpool.bench import store as bench_store
+
+            bench_store.run(args)
         elif args.command == "bench" and args.bench == "omni":
             from kvpool.bench import omni as bench_omni
 
@@ -171,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvpool.bench import manager
 
             manager.run(args)
+        elif args.command == "bench" and args.bench == "policy":
+            from kvpool.bench import policy
+
+            policy.run(args)
         elif args.command == "bench" and args.bench == "memory":
             from kvpool.bench import memory
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from kvpool.bench.replay import replay
 from kvpool.bench.workloads import TraceRequest
 from kvpool.core.block import BlockHash, KVCacheBlock
-from kvpool.core.block_pool import BlockPool
+from kvpool.core.block_pool import AllocationPlan, BlockPool
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.request import CacheRequest
@@ -66,7 +66,7 @@ class BeladyBlockPool(BlockPool):
                 continue
             return blk
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, plan: AllocationPlan | None = None) -> list[KVCacheBlock]:
         if num_blocks > self._num_free:
             raise ValueError("not enough free blocks")
         out = []
@@ -80,25 +80,21 @@ class BeladyBlockPool(BlockPool):
         self._num_free -= num_blocks
         return out
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for blk in blocks:
-            if blk.ref_cnt == 0:
-                self._num_free -= 1
-                self._version[blk.block_id] += 1
-            blk.ref_cnt += 1
+    def _take_free(self, blk: KVCacheBlock) -> None:
+        self._num_free -= 1
+        self._version[blk.block_id] += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        for blk in ordered_blocks:
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                self._num_free += 1
-                self._version[blk.block_id] += 1
-                h = blk.block_hash
-                if h is None:
-                    self._empty.append(blk)
-                else:
-                    heapq.heappush(self._heap, (-self._next_use(h), -self.depth.get(h, 0), blk.block_id,
-                                                self._version[blk.block_id]))
+    def _released(self, first: list[KVCacheBlock], last: list[KVCacheBlock],
+                  low: Sequence[KVCacheBlock] = ()) -> None:
+        for blk in (*first, *low, *last):
+            self._num_free += 1
+            self._version[blk.block_id] += 1
+            h = blk.block_hash
+            if h is None:
+                self._empty.append(blk)
+            else:
+                heapq.heappush(self._heap, (-self._next_use(h), -self.depth.get(h, 0), blk.block_id,
+                                            self._version[blk.block_id]))
 
 
 def belady_hit_rate(trace: list[TraceRequest], num_blocks: int, block_size: int, concurrency: int,

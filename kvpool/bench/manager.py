@@ -14,7 +14,9 @@ from kvpool.bench.belady import belady_hit_rate
 from kvpool.bench.replay import OPS, replay
 from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import load_trace, multi_turn_trace, shared_prefix_trace
+from kvpool.core.eviction import policy_names
 from kvpool.core.hashing import BlockHasher
+from kvpool.core.host_pool import host_policy_names
 from kvpool.core.kv_cache_manager import KVCacheManager
 
 
@@ -28,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hash-algo", default="sha256")
     p.add_argument("--host-blocks", type=int, default=0, help="a host tier of this many blocks behind the pool")
-    p.add_argument("--host-eviction", default="lru", choices=["lru", "arc"])
+    p.add_argument("--host-eviction", default="lru", choices=host_policy_names())
+    p.add_argument("--eviction-policy", default="lru", choices=policy_names(), help="the device tier's policy")
     p.add_argument("--no-belady", action="store_true", help="skip the offline-optimal simulation")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -45,7 +48,7 @@ def run(a: argparse.Namespace) -> dict:
     runs = []
     for _ in range(a.repeats):
         mgr = KVCacheManager(a.num_blocks, a.block_size, num_host_blocks=a.host_blocks,
-                             host_eviction=a.host_eviction)
+                             host_eviction=a.host_eviction, eviction_policy=a.eviction_policy)
         runs.append(replay(trace, mgr, BlockHasher(a.block_size, a.hash_algo), a.concurrency))
     wall = statistics.median(r.wall_s for r in runs)
     n_blocks = sum(-(-(len(r["prompt"]) + len(r["decode"])) // a.block_size) for r in trace)
@@ -58,7 +61,8 @@ def run(a: argparse.Namespace) -> dict:
     host_hit_rate = mgr.stats.host_hits / mgr.stats.queries if mgr.stats.queries else 0.0
     optimal = None if a.no_belady else belady_hit_rate(trace, a.num_blocks, a.block_size, a.concurrency,
                                                       a.hash_algo)
-    result = dict(system="kvpool", hash_algo=a.hash_algo, repeats=a.repeats, requests=len(trace),
+    result = dict(system="kvpool", eviction_policy=a.eviction_policy, hash_algo=a.hash_algo, repeats=a.repeats,
+                  requests=len(trace),
                   num_blocks=a.num_blocks, block_size=a.block_size, concurrency=a.concurrency,
                   hit_rate=hit_rate, belady_hit_rate=optimal, wall_s=wall, host_blocks=a.host_blocks,
                   host_hit_rate=host_hit_rate, blocks_swapped_out=mgr.swap_stats.blocks_out,
@@ -66,7 +70,7 @@ def run(a: argparse.Namespace) -> dict:
                   requests_per_s=len(trace) / wall, blocks_per_s=n_blocks / wall,
                   us_per_request_or_decode_token=per_op)
     rows = [["trace", source], ["requests", len(trace)], ["pool", f"{a.num_blocks} blocks of {a.block_size}"],
-            ["concurrency", a.concurrency], ["hit rate (LRU)", f"{hit_rate:.4f}"],
+            ["concurrency", a.concurrency], [f"hit rate ({a.eviction_policy.upper()})", f"{hit_rate:.4f}"],
             ["hit rate (Belady optimum)", "skipped" if optimal is None else f"{optimal:.4f}"],
             ["host tier", f"{a.host_blocks} blocks ({a.host_eviction}): hit rate {host_hit_rate:.4f}, "
                           f"{mgr.swap_stats.blocks_out} blocks out, {mgr.swap_stats.blocks_in} in"],

@@ -9,7 +9,8 @@ but not every conversation's history: what falls out of it is what the host tier
 Answers appended to the history are the trace's, not the
 model's, so every configuration sees identical prompts; the model still generates as many tokens.
 Systems: no prefix caching; device-only caching; device + host tier (lazy swap-out); device + host
-(write-through); device-only with a pool large enough for everything (the ceiling).
+(write-through); device-only with a pool large enough for everything (the ceiling). A system named
+`NAME@POLICY` (e.g. `device@reuse`) runs with that device eviction policy, so policies compare in one run.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
 
     system, convs = conversations(a)
     kw = dict(engine_kw)
+    name, _, policy = name.partition("@")
+    if policy:
+        kw["eviction_policy"] = policy
     kw["enable_prefix_caching"] = name != "no-cache"
     working_set = sum(-(-(a.system_len + sum(len(u) + len(ans) for u, ans in c)) // kw.get("block_size", 16))
                       for c in convs)
@@ -143,7 +147,8 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     systems: dict[str, dict] = {}
     outs: dict[str, list[list[int]]] = {}
     for n in names:
-        if n not in ("no-cache", "device", "device+host", "device+host-write-through", "unlimited"):
+        if n.partition("@")[0] not in ("no-cache", "device", "device+host", "device+host-write-through",
+                                       "unlimited"):
             raise ValueError(f"systems: unknown system {n!r}")
         systems[n], outs[n] = run_system(n, a, engine_kw)
     base = outs.get("no-cache")

@@ -1,0 +1,98 @@
+"""`kvpool bench store`: the store tier's backends with real block sizes: write and read throughput, latency
+per batched round trip, and the break-even against recomputing the blocks.
+
+Blocks are the size a model's block has in the store (K and V of every layer; default SmolLM2-135M in
+float32, 16 tokens: 720 KiB). Each backend gets `--blocks` blocks written in batches of `--batch` (one
+pipeline each) and read back in batches (one MGET each, verified by checksum). `redis` starts a private
+redis-server on a free loopback port unless `--redis-url` names one. The break-even compares the measured
+read time per block with `--recompute-ms-per-block` (the time a replica takes to prefill one block; give
+your own, the default is what a 1-thread CPU replica of SmolLM2 measured here): below it, a store hit
+beats recomputing; above it, the engine should not wait on the store (LMCache issue 914).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Any
+
+from kvpool.bench.report import emit, format_table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", default="file,redis")
+    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16, help="blocks per round trip")
+    p.add_argument("--block-bytes", type=int, default=2 * 16 * 3 * 64 * 4 * 30,
+                   help="bytes of one block (default: SmolLM2-135M, float32, 16 tokens)")
+    p.add_argument("--redis-url", default=None, help="an existing server (default: start one on loopback)")
+    p.add_argument("--dir", default=None, help="directory of the file backend (default: a temporary one)")
+    p.add_argument("--recompute-ms-per-block", type=float, default=100.0)
+    p.add_argument("--json", action="store_true")
+
+
+def bench_backend(url: str, a: argparse.Namespace) -> dict[str, Any]:
+    from kvpool.store import BlockStore, Fingerprint, open_store
+
+    fp = Fingerprint(model="bench", dtype="float32", block_size=16)
+    bs = BlockStore(open_store(url), fp)
+    payload = os.urandom(a.block_bytes)
+    hashes = [i.to_bytes(8, "little") + os.urandom(24) for i in range(a.blocks)]
+    batches = [hashes[i:i + a.batch] for i in range(0, len(hashes), a.batch)]
+    t0 = time.perf_counter()
+    for b in batches:
+        if not bs.put([(h, payload) for h in b]):
+            raise RuntimeError(f"{url}: writes failed ({bs.stats.errors} errors)")
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hits = 0
+    for b in batches:
+        hits += sum(p is not None for p in bs.get(b))
+    read_s = time.perf_counter() - t0
+    st = bs.stats.as_dict()
+    bs.close()
+    mib = a.blocks * a.block_bytes / 2**20
+    read_ms_block = 1e3 * read_s / a.blocks
+    return {"url": url, "blocks": a.blocks, "batch": a.batch, "block_bytes": a.block_bytes, "hits": hits,
+            "write_mib_per_s": mib / write_s, "read_mib_per_s": mib / read_s,
+            "write_ms_per_round_trip": 1e3 * write_s / len(batches),
+            "read_ms_per_round_trip": 1e3 * read_s / len(batches),
+            "read_ms_per_block": read_ms_block, "round_trips": st["round_trips"], "bytes_written": st["bytes_written"],
+            "bytes_read": st["bytes_read"], "faster_than_recompute": read_ms_block < a.recompute_ms_per_block}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from kvpool.store.server import RedisServer, find_server_binary
+
+    if a.blocks < 1 or a.batch < 1 or a.block_bytes < 1:
+        raise ValueError("blocks/batch/block_bytes: must be >= 1")
+    out: dict[str, Any] = {"backends": {}}
+    server = None
+    try:
+        for name in [s.strip() for s in a.backends.split(",") if s.strip()]:
+            if name == "file":
+                with tempfile.TemporaryDirectory(dir=a.dir) as d:
+                    out["backends"]["file"] = bench_backend(f"file://{d}", a)
+            elif name == "redis":
+                url = a.redis_url
+                if url is None:
+                    binary = find_server_binary()
+                    if binary is None:
+                        raise ValueError("backends: no redis-server or valkey-server here; pass --redis-url")
+                    server = RedisServer(binary).start()
+                    url = server.url
+                out["backends"]["redis"] = bench_backend(url, a)
+            else:
+                raise ValueError(f"backends: unknown {name!r} (file, redis)")
+    finally:
+        if server is not None:
+            server.stop()
+    rows = [[n, f"{r['write_mib_per_s']:.0f}", f"{r['read_mib_per_s']:.0f}", f"{r['write_ms_per_round_trip']:.1f}",
+             f"{r['read_ms_per_round_trip']:.1f}", f"{r['read_ms_per_block']:.2f}", str(r["round_trips"]),
+             str(r["faster_than_recompute"])] for n, r in out["backends"].items()]
+    table = format_table(["backend", "write MiB/s", "read MiB/s", "write ms/trip", "read ms/trip", "read ms/block",
+                          "round trips", f"< recompute ({a.recompute_ms_per_block:g} ms)"], rows)
+    emit(table, out, a.json)
+    return out
