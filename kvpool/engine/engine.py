@@ -30,7 +30,7 @@ from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
-from kvpool.runner.mllama import MllamaForConditionalGeneration, MllamaInputs
+from kvpool.runner.models.mllama import MllamaForConditionalGeneration, MllamaInputs
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
 from kvpool.runner.multimodal import MMInput, MultiModalProcessor, PlacedInput

@@ -30,12 +30,12 @@ from kvpool.runner.attention import (
     plan_prefill_batch,
     plan_windows,
 )
-from kvpool.runner.gemma3 import Gemma3Arch, Gemma3ForCausalLM
+from kvpool.runner.models.gemma3 import Gemma3Arch, Gemma3ForCausalLM
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
-from kvpool.runner.lfm2 import Lfm2Arch, Lfm2ForCausalLM
-from kvpool.runner.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
-from kvpool.runner.mllama import (
+from kvpool.runner.models.lfm2 import Lfm2Arch, Lfm2ForCausalLM
+from kvpool.runner.models.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
+from kvpool.runner.models.mllama import (
     CrossAttentionMetadata,
     CrossStep,
     MllamaArch,
@@ -81,7 +81,7 @@ class SeqStep:
     group_block_ids: tuple[list[int], ...] | None = None
     # (rows within token_ids, embeddings): inputs replacing those tokens' embeddings (images, stage inputs)
     embeds: tuple[list[int], torch.Tensor] | None = None
-    # Cross-attention models: the request's image (its encoder states the first time), see kvpool.runner.mllama
+    # Cross-attention models: the request's image (its encoder states the first time), see kvpool.runner.models.mllama
     cross: CrossStep | None = None
 
 

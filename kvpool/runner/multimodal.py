@@ -48,7 +48,7 @@ class TiledImageInput:
     """An image for a cross-attention model (Mllama), as its image processor outputs it: `pixel_values`
     (max_num_tiles, 3, H, W), `aspect_ratio_id` (the tiling's index, from 1, in the model's supported aspect
     ratios) and `aspect_ratio_mask` (max_num_tiles,), 1 for the image's tiles and 0 for padding tiles. Its
-    place in the prompt is the model's image token; see kvpool.runner.mllama."""
+    place in the prompt is the model's image token; see kvpool.runner.models.mllama."""
 
     pixel_values: torch.Tensor | np.ndarray
     aspect_ratio_id: int

@@ -20,8 +20,8 @@ from kvpool.core.kv_cache_spec import FullAttentionSpec, MambaSpec
 from kvpool.core.two_level_pool import TwoLevelBlockPool
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.runner.lfm2 import Lfm2Arch
-from kvpool.runner.llama import PackedLinear, can_pack
+from kvpool.runner.models.lfm2 import Lfm2Arch
+from kvpool.runner.models.llama import PackedLinear, can_pack
 
 # Four conv layers and two attention layers: two Mamba groups and one attention group of two layers.
 LAYER_TYPES = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]

@@ -16,7 +16,7 @@ from kvpool.core.request import MultiModalItem
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner import model_runner
-from kvpool.runner.mllama import CrossAttentionMetadata, plan_cross_attention
+from kvpool.runner.models.mllama import CrossAttentionMetadata, plan_cross_attention
 from kvpool.runner.multimodal import ImageInput, TiledImageInput
 
 VOCAB = 256

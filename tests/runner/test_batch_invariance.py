@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.runner.invariant import RowPaddedLinear
-from kvpool.runner.llama import PackedLinear, can_pack
+from kvpool.runner.models.llama import PackedLinear, can_pack
 
 # SmolLM2-135M's projections (qkv, o, gate_up, down): the shapes the omni thinker runs.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

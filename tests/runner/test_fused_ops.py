@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.runner import kernels
-from kvpool.runner.llama import RMSNorm, Rotary
+from kvpool.runner.models.llama import RMSNorm, Rotary
 
 
 @pytest.fixture(scope="module")

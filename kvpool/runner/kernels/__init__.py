@@ -101,7 +101,7 @@ def paged_prefill_attention() -> Callable[..., torch.Tensor] | None:
 
 def fused_ops() -> Any:
     """torch.ops.kvpool, whose rms_norm, silu_and_mul and rotary are fused bf16 versions of
-    kvpool.runner.llama's ops (elementwise.cpp), or None as above."""
+    kvpool.runner.models.llama's ops (elementwise.cpp), or None as above."""
     return torch.ops.kvpool if _library() else None
 
 

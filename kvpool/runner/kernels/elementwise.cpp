@@ -37,7 +37,7 @@ void check_bf16(const at::Tensor& t, const char* name) {
 }
 
 // weight * (x / rms(x)): the normalization in fp32, rounded to bf16, then the bf16 product, as
-// kvpool.runner.llama.RMSNorm (and transformers' LlamaRMSNorm) compute it.
+// kvpool.runner.models.llama.RMSNorm (and transformers' LlamaRMSNorm) compute it.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
   check_bf16(x, "x");
   check_bf16(weight, "weight");

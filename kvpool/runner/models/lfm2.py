@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.runner.attention import AttentionMetadata, paged_attention
-from kvpool.runner.llama import (
+from kvpool.runner.models.llama import (
     LlamaArch,
     LlamaForCausalLM,
     PackedLinear,

@@ -32,7 +32,7 @@ from torch import nn
 from kvpool.core.request import MultiModalItem
 from kvpool.runner.attention import gather_blocks, write_kv
 from kvpool.runner.encoder_cache import EncoderCache
-from kvpool.runner.llama import (
+from kvpool.runner.models.llama import (
     DecoderLayer,
     LlamaArch,
     LlamaForCausalLM,
