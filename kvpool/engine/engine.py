@@ -30,10 +30,9 @@ from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
-from kvpool.runner.models.mllama import MllamaForConditionalGeneration, MllamaInputs
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
-from kvpool.runner.multimodal import MMInput, MultiModalProcessor, PlacedInput
+from kvpool.runner.multimodal import MMInput
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +99,9 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._decoders: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
         self._ids = itertools.count()
-        self.mm = MultiModalProcessor(self.runner.arch.hidden_size, config.vision_encoder,
-                                      parse_size(config.encoder_cache_size, "encoder_cache_size"))
-        # Cross-attention models read their images through cross-attention layers, not placeholder embeddings.
-        self.cross = (MllamaInputs(self.runner.model, self.mm.cache)
-                      if isinstance(self.runner.model, MllamaForConditionalGeneration) else None)
+        # The model's own input processor: placeholder embeddings, or images read by cross-attention layers.
+        self.mm = self.runner.make_input_processor(config.vision_encoder,
+                                                   parse_size(config.encoder_cache_size, "encoder_cache_size"))
         self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
                               if config.stage_outputs else None)
         # The store tier below the host tier (kvpool.store): reads while a request waits, write-through
@@ -211,30 +208,20 @@ class LLMEngine:
             ids = self.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        vocab = self.runner.model.embed_tokens.num_embeddings  # special tokens (an image token) may follow the vocab
+        vocab = self.runner.num_embeddings  # special tokens (an image token) may follow the vocab
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
-        placed: list[PlacedInput] = []
-        image = None
-        if self.cross is not None:
-            if mm_items:
-                raise ValueError("mm_items: a cross-attention model needs the image itself (mm_inputs)")
-            image = self.cross.prepare(mm_inputs, ids)
-            mm_items = [image.item] if image is not None else []
-        elif mm_inputs:
-            if mm_items:
-                raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
-            placed = self.mm.prepare(mm_inputs, len(ids))
-            mm_items = [p.item for p in placed]
+        prepared = self.mm.prepare_request(ids, mm_inputs, mm_items)
+        if prepared is not None:
+            mm_items = prepared.items
         req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
                       cache_salt=cache_salt, prompt=text,
-                      num_encoder_tokens=image.num_tokens if image is not None else 0)
-        req.mm_placed = placed
-        req.cross_image = image
+                      num_encoder_tokens=prepared.num_encoder_tokens if prepared is not None else 0)
+        req.mm_inputs = prepared
         return req
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
@@ -309,11 +296,8 @@ class LLMEngine:
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
                                  end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
                                  tables if len(tables) > 1 else None))
-            if req.mm_placed:
-                steps[-1].embeds = self.mm.embeddings(req.mm_placed, s.start_pos, end)
-            if req.cross_image is not None:
-                assert self.cross is not None
-                steps[-1].cross = self.cross.step(req.request_id, req.num_preemptions, req.cross_image)
+            if req.mm_inputs is not None:
+                self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)
         return steps
 
     def _detokenize(self, req: Request) -> str:
@@ -379,7 +363,6 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._decoders.pop(request_id, None)
-        if self.cross is not None:
-            self.cross.forget(request_id)
+        self.mm.forget(request_id)
         if self.stage_outputs is not None:
             self.stage_outputs.forget(request_id)

@@ -68,8 +68,7 @@ class Request(CacheRequest):
         self.max_tokens: int = mt
         self.stop_reason: int | str | None = None
         self.output_text = ""
-        self.mm_placed: list[Any] = []  # multimodal inputs placed in the prompt (kvpool.runner.multimodal)
-        self.cross_image: Any = None  # a cross-attention model's image (kvpool.runner.models.mllama.PlacedImage)
+        self.mm_inputs: Any = None  # its validated multimodal inputs (kvpool.runner.multimodal.PreparedInputs)
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,18 +31,13 @@ from kvpool.runner.attention import (
     plan_prefill_batch,
     plan_windows,
 )
-from kvpool.runner.models.gemma3 import Gemma3Arch, Gemma3ForCausalLM
+from kvpool.runner.encoder_cache import EncoderCache
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
-from kvpool.runner.models.lfm2 import Lfm2Arch, Lfm2ForCausalLM
-from kvpool.runner.models.llama import LlamaArch, LlamaForCausalLM, Rotary, can_pack
-from kvpool.runner.models.mllama import (
-    CrossAttentionMetadata,
-    CrossStep,
-    MllamaArch,
-    MllamaForConditionalGeneration,
-    plan_cross_attention,
-)
+from kvpool.runner.models.llama import LlamaForCausalLM, Rotary, can_pack
+from kvpool.runner.models.mllama import CrossAttentionMetadata, CrossStep, plan_cross_attention
+from kvpool.runner.models.registry import resolve_model_class
+from kvpool.runner.multimodal import InputProcessor, MultiModalProcessor
 from kvpool.runner.sampler import SamplingLike, sample
 from kvpool.runner.stage_output_cache import StageOutputCache
 from kvpool.runner.state_cache import PagedBuffers, StateMetadata, large_page_bytes, layer_specs, plan_state
@@ -50,10 +46,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
-GEMMA3_ARCHS = {"gemma3_text"}
-LFM2_ARCHS = {"lfm2"}
-MLLAMA_ARCHS = {"mllama"}
 # What a step plans per KV cache group: attention over blocks, cross-attention to an image, or states.
 GroupMetadata = AttentionMetadata | CrossAttentionMetadata | StateMetadata
 
@@ -86,23 +78,13 @@ class SeqStep:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
-    """The model of a local Hugging Face folder, its weights loaded (Llama family or Gemma-3 text)."""
+    """The model of a local Hugging Face folder, its weights loaded (any registered architecture, see
+    kvpool.runner.models.registry)."""
     from safetensors import safe_open
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    mtype = cfg.get("model_type")
-    if mtype in SUPPORTED_ARCHS:
-        arch: LlamaArch = LlamaArch.from_hf_config(cfg)
-        cls: type[LlamaForCausalLM] = LlamaForCausalLM
-    elif mtype in GEMMA3_ARCHS:
-        arch, cls = Gemma3Arch.from_hf_config(cfg), Gemma3ForCausalLM
-    elif mtype in LFM2_ARCHS:
-        arch, cls = Lfm2Arch.from_hf_config(cfg), Lfm2ForCausalLM
-    elif mtype in MLLAMA_ARCHS:
-        arch, cls = MllamaArch.from_hf_config(cfg), MllamaForConditionalGeneration
-    else:
-        supported = sorted(SUPPORTED_ARCHS | GEMMA3_ARCHS | LFM2_ARCHS | MLLAMA_ARCHS)
-        raise ValueError(f"model: architecture {mtype!r} is not supported (supported: {supported})")
+    entry = resolve_model_class(cfg)
+    arch, cls = entry.arch_cls.from_hf_config(cfg), entry.model_cls
     with torch.device("meta"):
         model = cls(arch)  # type: ignore[arg-type]
     model = model.to_empty(device=device)
@@ -240,6 +222,20 @@ class ModelRunner:
     @property
     def max_model_len(self) -> int:
         return self.arch.max_position
+
+    @property
+    def num_embeddings(self) -> int:
+        """Rows of the embedding table: valid token ids are below (special tokens may follow the vocabulary)."""
+        return int(self.model.embed_tokens.num_embeddings)
+
+    def make_input_processor(self, vision_encoder: Any = None, encoder_cache_bytes: int = 256 << 20
+                             ) -> InputProcessor:
+        """The model's input processor (registered with it), with an encoder cache of that many bytes."""
+        cache = EncoderCache(encoder_cache_bytes)
+        factory = resolve_model_class(self.hf_config).inputs
+        if factory is not None:
+            return factory(self.model, vision_encoder, cache)
+        return MultiModalProcessor(self.arch.hidden_size, vision_encoder, cache=cache)
 
     @property
     def page_sizes(self) -> list[int] | None:

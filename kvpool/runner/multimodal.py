@@ -9,6 +9,9 @@ partial prefix hit, a later prefill chunk, another request) does not run the enc
 
 `EmbedsInput` carries embeddings computed elsewhere (a previous pipeline stage's outputs): no
 encoder, same hashing and placement.
+
+`InputProcessor` is what the engine sees of a model's inputs: each model registers its own (see
+`kvpool.runner.models.registry`); `MultiModalProcessor` (placeholder embeddings) is the default.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -67,6 +71,35 @@ def content_hash(kind: str, t: torch.Tensor) -> str:
 
 
 @dataclass
+class PreparedInputs:
+    """A request's validated multimodal inputs, as a processor's `prepare_request` returns them."""
+
+    items: list[MultiModalItem]  # what the request's block hashes see
+    data: Any  # the processor's own record of the inputs (placed inputs, an image)
+    num_encoder_tokens: int = 0  # slots of the request's cross-attention block tables (0: none)
+
+
+class InputProcessor(Protocol):
+    """A model's multimodal inputs: validated and hashed when a request is made, handed to the runner per step."""
+
+    cache: EncoderCache
+    encoder_runs: int
+
+    def prepare_request(self, token_ids: Sequence[int], mm_inputs: Sequence[Any],
+                        mm_items: Sequence[MultiModalItem]) -> PreparedInputs | None:
+        """Validate and hash a request's inputs (None when it has none); ValueError naming the field."""
+        ...
+
+    def step_inputs(self, step: Any, num_preemptions: int, prepared: PreparedInputs, start: int, end: int) -> None:
+        """Set the inputs of positions [start, end) on the request's `SeqStep` of this step."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request is finished or aborted."""
+        ...
+
+
+@dataclass
 class PlacedInput:
     item: MultiModalItem  # content hash, offset, length: what the block hashes see
     kind: str  # "image" | "embeds"
@@ -74,14 +107,33 @@ class PlacedInput:
 
 
 class MultiModalProcessor:
-    def __init__(self, hidden_size: int, encoder: nn.Module | None = None, cache_bytes: int = 256 << 20) -> None:
+    """Placeholder embeddings: each input replaces the embeddings of its placeholder tokens (the default
+    `InputProcessor`)."""
+
+    def __init__(self, hidden_size: int, encoder: nn.Module | None = None, cache_bytes: int = 256 << 20,
+                 cache: EncoderCache | None = None) -> None:
         self.hidden_size = hidden_size
         self.encoder = encoder
         if encoder is not None and getattr(encoder, "out_dim", hidden_size) != hidden_size:
             raise ValueError(f"vision_encoder: outputs {encoder.out_dim} features; the model's hidden size is "
                              f"{hidden_size}")
-        self.cache = EncoderCache(cache_bytes)
+        self.cache = cache if cache is not None else EncoderCache(cache_bytes)
         self.encoder_runs = 0
+
+    def prepare_request(self, token_ids: Sequence[int], mm_inputs: Sequence[MMInput],
+                        mm_items: Sequence[MultiModalItem]) -> PreparedInputs | None:
+        if not mm_inputs:
+            return None  # mm_items (hashes only), if any, go to the request as they are
+        if mm_items:
+            raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
+        placed = self.prepare(mm_inputs, len(token_ids))
+        return PreparedInputs([p.item for p in placed], placed)
+
+    def step_inputs(self, step: Any, num_preemptions: int, prepared: PreparedInputs, start: int, end: int) -> None:
+        step.embeds = self.embeddings(prepared.data, start, end)
+
+    def forget(self, request_id: str) -> None:
+        pass  # nothing kept per request
 
     def prepare(self, inputs: Sequence[MMInput], num_prompt_tokens: int) -> list[PlacedInput]:
         """Validate, load and hash a request's inputs; raises ValueError naming the field."""

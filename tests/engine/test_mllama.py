@@ -166,7 +166,7 @@ def test_greedy_tokens_equal_transformers(mllama_dir: Path, setting: str, refere
     eng.kv.check_integrity()
     assert eng.kv.get_num_free_blocks() == eng.kv.block_pool.num_usable_blocks  # everything released
     # Three distinct images, each through the vision tower once: later uses hit the encoder cache.
-    assert eng.cross is not None and eng.cross.encoder_runs == 3
+    assert eng.mm is not None and eng.mm.encoder_runs == 3
     if setting != "small pool":  # (there, image requests rarely run side by side)
         assert max(batched) >= 2  # the batched decode path was taken (and gave transformers' tokens)
     if setting == "small pool":
@@ -211,9 +211,9 @@ def test_encoder_states_written_once_per_admission(mllama_dir: Path) -> None:
     llm = LLM(str(mllama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=300,
               max_num_batched_tokens=8)
     eng = llm.engine
-    assert eng.cross is not None
+    assert eng.mm is not None
     writes: list[str] = []
-    step = eng.cross.step
+    step = eng.mm.step
 
     def spy(request_id: str, num_preemptions: int, p: object) -> object:
         out = step(request_id, num_preemptions, p)  # type: ignore[arg-type]
@@ -221,12 +221,12 @@ def test_encoder_states_written_once_per_admission(mllama_dir: Path) -> None:
             writes.append(request_id)
         return out
 
-    eng.cross.step = spy  # type: ignore[method-assign]
+    eng.mm.step = spy  # type: ignore[method-assign]
     outs = llm.generate([A, A], SamplingParams.greedy(4), use_tqdm=False, mm_inputs=[[IMG1], [IMG1]])
     # Four prefill chunks and three decodes each, but the encoder states are written once per request (its
     # own cross blocks), and the vision tower runs once for both.
     assert sorted(writes) == [o.request_id for o in outs]
-    assert eng.cross.encoder_runs == 1
+    assert eng.mm.encoder_runs == 1
 
 
 @pytest.mark.parametrize(("mm", "message"), [

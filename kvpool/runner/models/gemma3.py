@@ -19,6 +19,7 @@ from torch import nn
 
 from kvpool.runner.attention import AttentionMetadata, paged_attention
 from kvpool.runner.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm, Rotary
+from kvpool.runner.models.registry import register_model
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Gemma3Layer(nn.Module):
         return x + self.post_feedforward_layernorm(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
+@register_model("gemma3_text", arch=Gemma3Arch)
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Shares Llama's weight loading (q/k/v and gate/up fused), packing and logits."""
 

@@ -28,6 +28,7 @@ from kvpool.runner.models.llama import (
     check_all_loaded,
     load_param,
 )
+from kvpool.runner.models.registry import register_model
 from kvpool.runner.state_cache import StateMetadata, run_conv_state
 
 
@@ -156,6 +157,7 @@ class Lfm2Layer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+@register_model("lfm2", arch=Lfm2Arch)
 class Lfm2ForCausalLM(LlamaForCausalLM):
     """Shares Llama's forward loop (embeddings, layers, final norm) and logits; own layers and weights."""
 

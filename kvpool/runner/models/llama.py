@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.runner.attention import AttentionMetadata, paged_attention
+from kvpool.runner.models.registry import register_model
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
 
+@register_model("llama", "mistral", "qwen2", arch=LlamaArch)
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()

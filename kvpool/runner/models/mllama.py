@@ -42,7 +42,8 @@ from kvpool.runner.models.llama import (
     check_all_loaded,
     load_param,
 )
-from kvpool.runner.multimodal import TiledImageInput, content_hash
+from kvpool.runner.models.registry import register_model
+from kvpool.runner.multimodal import PreparedInputs, TiledImageInput, content_hash
 
 # Rows of the embedding table past the text vocabulary: <|image|> and other special tokens (transformers: +8).
 EXTRA_EMBEDDINGS = 8
@@ -252,6 +253,7 @@ _FUSED = {("self_attn", "q_proj"): ("qkv_proj", 0, 3), ("self_attn", "k_proj"): 
           ("mlp", "up_proj"): ("gate_up_proj", 1, 2)}
 
 
+@register_model("mllama", arch=MllamaArch, inputs=lambda model, encoder, cache: MllamaInputs(model, cache))
 class MllamaForConditionalGeneration(LlamaForCausalLM):
     """Shares Llama's forward loop (per-layer metadata), rotary embedding and logits."""
 
@@ -395,6 +397,18 @@ class MllamaInputs:
         # keys the first block and, chained, every block after it.
         return PlacedImage(MultiModalItem(digest, 0, 1), pixels, int(ar_id), mask, at[0], a.num_encoder_tokens,
                            num_tiles * a.num_patches)
+
+    def prepare_request(self, token_ids: Sequence[int], mm_inputs: Sequence[Any],
+                        mm_items: Sequence[MultiModalItem]) -> PreparedInputs | None:
+        """`prepare` as an `InputProcessor`: the image's item keys the blocks; its encoder tokens size the
+        request's cross-attention block tables."""
+        if mm_items:
+            raise ValueError("mm_items: a cross-attention model needs the image itself (mm_inputs)")
+        image = self.prepare(mm_inputs, token_ids)
+        return PreparedInputs([image.item], image, image.num_tokens) if image is not None else None
+
+    def step_inputs(self, step: Any, num_preemptions: int, prepared: PreparedInputs, start: int, end: int) -> None:
+        step.cross = self.step(step.req_id, num_preemptions, prepared.data)
 
     def states(self, p: PlacedImage) -> torch.Tensor:
         """The image's encoder states, from the encoder cache when it holds them."""
