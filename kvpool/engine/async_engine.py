@@ -96,7 +96,7 @@ class RequestStream:
         """Idempotent; a no-op once the request finished."""
         if not self.finished:
             self.finished = True
-            self._engine._inbox.put(("abort", self.request_id))
+            self._engine.abort(self.request_id)
 
 
 _STOP = object()
@@ -149,6 +149,23 @@ class AsyncEngine:
     @property
     def num_pending(self) -> int:
         return self._pending
+
+    @property
+    def num_queued(self) -> int:
+        """Inbox items (requests, aborts, calls) not yet applied by the engine thread."""
+        return self._inbox.qsize()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt token ids of a chat (on a worker thread: the engine tokenizes safely off its thread)."""
+        return await asyncio.to_thread(self.engine.apply_chat_template, messages)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (on the engine thread, before its next step)."""
+        self._inbox.put(("abort", request_id))
 
     # -- caller side (any thread with a running event loop) --------------------------------------------
 
@@ -287,15 +304,14 @@ class AsyncEngine:
 
     def _report(self) -> StepReport:
         eng = self.engine
-        kv, sched = eng.kv, eng.scheduler
-        pc = kv.take_prefix_cache_stats()
-        totals = (sched.stats.num_generation_tokens, sched.stats.num_preemptions, kv.swap_stats.blocks_out,
-                  kv.swap_stats.blocks_in)
+        st = eng.stats()
+        pc = eng.take_prefix_cache_stats()
+        totals = (st.num_generation_tokens, st.num_preemptions, st.num_blocks_swapped_out, st.num_blocks_swapped_in)
         d = [a - b for a, b in zip(totals, self._last_stats, strict=True)]
         self._last_stats = totals
-        return StepReport(num_running=len(sched.running), num_waiting=len(sched.waiting), kv_usage=kv.usage,
-                          host_usage=kv.host_pool.usage if kv.host_pool is not None else None,
+        return StepReport(num_running=st.num_running, num_waiting=st.num_waiting, kv_usage=st.kv_usage,
+                          host_usage=st.host_usage,
                           prefix_queries=pc.queries, prefix_hits=pc.hits, host_hits=pc.host_hits,
                           generation_tokens=d[0], preemptions=d[1], blocks_swapped_out=d[2], blocks_swapped_in=d[3],
-                          bytes_per_block=eng.runner.bytes_per_block,
-                          kv_events=kv.take_events())
+                          bytes_per_block=st.bytes_per_block,
+                          kv_events=eng.take_kv_events())

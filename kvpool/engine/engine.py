@@ -14,22 +14,25 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tokenizers.decoders import DecodeStream
 
+from kvpool.core.events import KVCacheEvent
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.kv_cache_spec import MambaSpec
 from kvpool.core.pins import Pin, PinSet
 from kvpool.core.request import CacheRequest, MultiModalItem
+from kvpool.core.stats import PrefixCacheStats
 from kvpool.engine.config import EngineConfig, parse_size
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
+from kvpool.engine.stop import Detokenizer, StopChecker
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
 from kvpool.runner.multimodal import MMInput
@@ -47,6 +50,24 @@ def _eos_ids(model_dir: Any) -> list[int]:
                 ids += v if isinstance(v, list) else [v]
                 break
     return ids
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load and its counters (totals since start)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    host_usage: float | None  # None: no host tier
+    num_generation_tokens: int
+    num_preemptions: int
+    num_blocks_swapped_out: int
+    num_blocks_swapped_in: int
+    bytes_per_block: int
+    num_blocks: int
+    num_pins: int
+    num_pinned_blocks: int
 
 
 class LLMEngine:
@@ -92,18 +113,19 @@ class LLMEngine:
         self.kv.external_holders.append(self.pins.held_blocks)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
                        if config.enable_prefix_caching else None)
+        self.detokenizer = (Detokenizer(self.tokenizer, self._tokenizer_lock)
+                            if self.tokenizer is not None else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   stop_checker=StopChecker(self.detokenizer))
         self.eos_token_ids = _eos_ids(self.model_dir)
         self._generators: dict[str, torch.Generator] = {}
-        self._decoders: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
         self._ids = itertools.count()
         # The model's own input processor: placeholder embeddings, or images read by cross-attention layers.
         self.mm = self.runner.make_input_processor(config.vision_encoder,
                                                    parse_size(config.encoder_cache_size, "encoder_cache_size"))
-        self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
-                              if config.stage_outputs else None)
+        self.stage_outputs = StageOutputCollector(self.runner.stage_cache) if config.stage_outputs else None
         # The store tier below the host tier (kvpool.store): reads while a request waits, write-through
         # of sheltered blocks; all of its I/O on its own thread.
         self.store = None
@@ -173,6 +195,41 @@ class LLMEngine:
         """Release expired pins now (steps do it too); the number of blocks still pinned."""
         self.pins.expire(time.monotonic())
         return self.pins.num_pinned_blocks
+
+    # -- state, for the server and the async engine (call on the engine's thread) ----------------------
+
+    def stats(self) -> EngineStats:
+        """Totals since start and the current load (the async engine turns them into per-step deltas)."""
+        kv, sched = self.kv, self.scheduler
+        return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting), kv_usage=kv.usage,
+                           host_usage=kv.host_pool.usage if kv.host_pool is not None else None,
+                           num_generation_tokens=sched.stats.num_generation_tokens,
+                           num_preemptions=sched.stats.num_preemptions,
+                           num_blocks_swapped_out=kv.swap_stats.blocks_out,
+                           num_blocks_swapped_in=kv.swap_stats.blocks_in,
+                           bytes_per_block=self.runner.bytes_per_block, num_blocks=self.runner.num_blocks,
+                           num_pins=len(self.pins), num_pinned_blocks=self.pins.num_pinned_blocks)
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.kv.host_pool is not None
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix cache queries, hits and host hits (in tokens) since the last call (see PrefixCacheStats)."""
+        return self.kv.take_prefix_cache_stats()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV cache events since the last call (empty unless enable_kv_events)."""
+        return self.kv.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, in every tier; refused (False) while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
+
+    def list_pins(self) -> list[Pin]:
+        """The live pins (expired ones released first)."""
+        self.expire_pins()
+        return list(self.pins.pins.values())
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -292,7 +349,7 @@ class LLMEngine:
         for s in out.scheduled:
             req = s.request
             end = s.start_pos + s.num_new_tokens
-            tables = self.kv.get_block_ids(req.request_id)
+            tables = s.block_ids
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
                                  end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
                                  tables if len(tables) > 1 else None))
@@ -300,57 +357,8 @@ class LLMEngine:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)
         return steps
 
-    def _detokenize(self, req: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-
-    def _update_text(self, req: Request) -> int:
-        """Bring `req.output_text` up to date; returns where the new text starts.
-
-        While a request runs, its text grows by incremental decoding (the tokenizers library's
-        DecodeStream): O(new tokens) per step where a full decode would be O(output) and quadratic over
-        a long generation. The final text is one full decode, so it is exactly `tokenizer.decode`.
-        """
-        start = len(req.output_text)
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if req.status.finished or backend is None:
-            req.output_text = self._detokenize(req)
-            return min(start, len(req.output_text))
-        state = self._decoders.get(req.request_id)
-        if state is None:
-            state = self._decoders[req.request_id] = [DecodeStream(skip_special_tokens=True), 0]
-        stream, done = state
-        ids = req.output_token_ids
-        pieces = []
-        with self._tokenizer_lock:
-            for tok in ids[done:]:
-                piece = stream.step(backend, tok)
-                if piece:
-                    pieces.append(piece)
-        state[1] = len(ids)
-        req.output_text += "".join(pieces)
-        return start
-
-    def _check_stop_strings(self, req: Request, new_from: int) -> None:
-        stops: list[str] = req.sampling_params.stop  # type: ignore[assignment]
-        text = req.output_text
-        # Only text that arrived this step can complete a stop string: search from len(stop)-1 before it.
-        hits = [(p, s) for s in stops if (p := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
-        if hits:
-            pos, s = min(hits)
-            req.output_text = text[: pos + (len(s) if req.sampling_params.include_stop_str_in_output else 0)]
-            if not req.status.finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = s
-
     def _output(self, req: Request) -> RequestOutput:
-        stopped = req.sampling_params.stop and req.stop_reason in req.sampling_params.stop
-        if self.tokenizer is not None and not stopped:
-            new_from = self._update_text(req)
-            if req.sampling_params.stop:
-                self._check_stop_strings(req, new_from)
+        # (the stop checker brought the text up to date when the token was appended)
         finished = req.status.finished
         reason = req.status.value if finished else None
         return RequestOutput(
@@ -362,7 +370,8 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
-        self._decoders.pop(request_id, None)
+        if self.detokenizer is not None:
+            self.detokenizer.forget(request_id)
         self.mm.forget(request_id)
         if self.stage_outputs is not None:
             self.stage_outputs.forget(request_id)

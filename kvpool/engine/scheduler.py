@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.kv_cache_spec import MambaSpec
 from kvpool.core.swap import SwapPlan
 from kvpool.engine.request import Request, RequestStatus
+from kvpool.engine.stop import check_stop_tokens
 
 
 @dataclass
@@ -30,6 +32,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start_pos: int  # num_computed_tokens before this step
+    # The request's block table in every KV cache group (group 0 first), as this step's forward sees them:
+    # set once the step's allocations and swaps are planned, so the runner need not ask the manager.
+    block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -49,7 +54,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True,
+                 stop_checker: Callable[[Request], bool] = check_stop_tokens) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
         if max_num_seqs < 1:
@@ -58,6 +64,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.stop_checker = stop_checker  # finished after this token? (kvpool.engine.stop)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -155,10 +162,13 @@ class Scheduler:
                                                     ) - s.start_pos
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.swap_plan = self.kv.end_schedule_step()
+        for s in out.scheduled:
+            s.block_ids = self.kv.get_block_ids(s.request.request_id)
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append sampled tokens; return the requests that got a token (finished ones are freed)."""
+        """Append sampled tokens; return the requests that got a token (those the stop checker finished are
+        freed)."""
         now = time.time()
         progressed: list[Request] = []
         for s in out.scheduled:
@@ -170,13 +180,13 @@ class Scheduler:
             self.stats.num_generation_tokens += 1
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            if req.check_stop_token():
+            if self.stop_checker(req):
                 self._finish(req, now)
             progressed.append(req)
         return progressed
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Stop a request (a stop string matched, or an abort); its blocks are freed at once."""
+        """Stop a request (an abort); its blocks are freed at once."""
         req = self.requests.get(request_id)
         if req is None or req.status.finished:
             return None

@@ -11,8 +11,6 @@ token but the last one, which is sampled and never fed back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvpool.engine.scheduler import SchedulerOutput
@@ -33,9 +31,8 @@ class _Rows:
 
 
 class StageOutputCollector:
-    def __init__(self, cache: StageOutputCache | None, block_ids: Callable[[str], list[int]]) -> None:
+    def __init__(self, cache: StageOutputCache | None) -> None:
         self.cache = cache
-        self.block_ids = block_ids
         self._rows: dict[str, _Rows] = {}
         self.rows_from_cache = 0
         self.rows_computed = 0
@@ -50,7 +47,7 @@ class StageOutputCollector:
                     raise RuntimeError(f"{rid}: tokens [{acc.n}, {s.start_pos}) were not computed and there is "
                                        "no stage-output cache")
                 n_hit = s.start_pos - acc.n
-                acc.append(self.cache.read(self.block_ids(rid), acc.n, s.start_pos), n_hit)
+                acc.append(self.cache.read(s.block_ids[0], acc.n, s.start_pos), n_hit)
                 self.rows_from_cache += n_hit
             new = computed[rid]
             skip = acc.n - s.start_pos

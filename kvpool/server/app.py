@@ -229,8 +229,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     async def metrics_endpoint() -> Response:
         if engine.is_alive:
             try:
-                metrics.pinned_blocks.set(await engine.call(lambda e: e.expire_pins()))
-                metrics.pins.set(len(engine.engine.pins))
+                pinned_blocks, pins = await engine.call(lambda e: (e.expire_pins(), e.stats().num_pins))
+                metrics.pinned_blocks.set(pinned_blocks)
+                metrics.pins.set(pins)
             except EngineDeadError:
                 pass
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -269,7 +270,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     @app.get("/v1/pins")
     async def list_pins(request: Request) -> JSONResponse:
         authorize(request)
-        pins = await engine.call(lambda e: (e.expire_pins(), list(e.pins.pins.values()))[1])
+        pins = await engine.call(lambda e: e.list_pins())
         return JSONResponse({"object": "list", "data": [pin_json(p) for p in pins]})
 
     @app.delete("/v1/pins/{pin_id}")
@@ -284,13 +285,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         authorize(request)
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": created, "owned_by": "kvpool",
-             "max_model_len": engine.engine.max_model_len}]})
+             "max_model_len": engine.max_model_len}]})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         authorize(request)
         try:
-            ok = await engine.call(lambda e: e.kv.reset_prefix_cache())
+            ok = await engine.call(lambda e: e.reset_prefix_cache())
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         if not ok:
@@ -329,7 +330,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         check_model(body.model)
         try:
             params = body.to_sampling_params()
-            ids = await asyncio.to_thread(engine.engine.apply_chat_template, body.chat_messages())
+            ids = await engine.apply_chat_template(body.chat_messages())
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)

@@ -47,7 +47,7 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
           ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
     name = served_model_name or engine.model_dir.name
     async_engine = AsyncEngine(engine, max_pending=max_pending)
-    metrics = ServerMetrics(name, host_tier=engine.kv.host_pool is not None)
+    metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
     async_engine.add_listener(metrics.observe)
     if engine.store is not None:
         from kvpool.store.engine_store import StoreCollector
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                                             kv_events_topic=args.kv_events_topic)
     async_engine.start()
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host, args.port,
-             engine.runner.num_blocks, engine.config.block_size)
+             engine.stats().num_blocks, engine.config.block_size)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info", lifespan="off")
     finally:

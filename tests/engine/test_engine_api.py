@@ -88,3 +88,21 @@ def test_parse_size() -> None:
         parse_size("lots")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         parse_size(0)
+
+
+def test_stats_and_prefix_cache_reset_through_the_public_api(llm: LLM) -> None:
+    eng = llm.engine
+    before = eng.stats()
+    eng.add_request(list(range(1, 10)), SamplingParams.greedy(3), request_id="s")
+    eng.step()  # the prefill: one token
+    mid = eng.stats()
+    assert (mid.num_running, mid.num_waiting) == (1, 0) and mid.kv_usage > 0
+    assert mid.num_generation_tokens == before.num_generation_tokens + 1
+    assert not eng.reset_prefix_cache()  # refused while a request holds blocks
+    while eng.has_unfinished_requests():
+        eng.step()
+    after = eng.stats()
+    assert after.num_running == 0 and after.num_generation_tokens == before.num_generation_tokens + 3
+    assert after.num_blocks == eng.kv.block_pool.num_blocks and after.host_usage is None and not eng.has_host_tier
+    assert eng.reset_prefix_cache()
+    assert eng.list_pins() == [] and after.num_pins == 0

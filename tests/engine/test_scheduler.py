@@ -133,3 +133,45 @@ def test_state_models_align_prefill_chunks_on_block_boundaries() -> None:
     # No alignment without prefix caching (nothing to cache) or without a state group.
     assert not Scheduler(state_manager(caching=False)).align_chunks
     assert not Scheduler(KVCacheManager(64, BS)).align_chunks
+
+
+def test_the_output_carries_each_requests_block_tables() -> None:
+    kv = KVCacheManager(64, BS)
+    s = Scheduler(kv, max_num_batched_tokens=6)
+    s.add_request(req("a", 9))
+    s.add_request(req("b", 3, start=100))
+    out = s.schedule()
+    assert [(x.request.request_id, len(x.block_ids[0])) for x in out.scheduled] == [("a", 2)]
+    assert all(x.block_ids == kv.get_block_ids(x.request.request_id) for x in out.scheduled)
+    s.update_from_output(out, {})
+    out = s.schedule()  # a's last 3 tokens, and b
+    assert [(x.request.request_id, len(x.block_ids[0])) for x in out.scheduled] == [("a", 3), ("b", 1)]
+    assert all(x.block_ids == kv.get_block_ids(x.request.request_id) for x in out.scheduled)
+
+
+class LetterTokenizer:
+    """Token i decodes to the i-th lowercase letter (no backend: the checker decodes in full each time)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize(("include", "text"), [(False, "ab"), (True, "abcd")])
+def test_stop_strings_are_decided_with_the_stop_tokens(include: bool, text: str) -> None:
+    import threading
+
+    from kvpool.engine.stop import Detokenizer, StopChecker
+
+    kv = KVCacheManager(64, BS)
+    s = Scheduler(kv, stop_checker=StopChecker(Detokenizer(LetterTokenizer(), threading.Lock())))
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, stop=["cd"], include_stop_str_in_output=include),
+                hasher=BlockHasher(BS))
+    s.add_request(r)
+    for tok in (0, 1, 2, 3, 4):  # a b c d: "cd" completes on the fourth token
+        out = s.schedule()
+        s.update_from_output(out, {"a": tok})
+        if r.status.finished:
+            break
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == "cd"
+    assert r.output_token_ids == [0, 1, 2, 3] and r.output_text == text
+    assert kv.get_num_free_blocks() == kv.block_pool.num_usable_blocks  # freed by the scheduler at once

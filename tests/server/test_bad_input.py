@@ -152,7 +152,7 @@ def test_reset_refused_while_blocks_are_held(keyed: ServerHandle) -> None:
                                                                       headers=good)))
             t.start()
             deadline = time.monotonic() + 10
-            while keyed.engine._inbox.qsize() == 0 and time.monotonic() < deadline:
+            while keyed.engine.num_queued == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)  # the reset is queued: it runs before the next step, while blocks are held
             gate.set()
             t.join(30)

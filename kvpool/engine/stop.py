@@ -1,0 +1,93 @@
+"""When a request stops, decided in one place: its stop tokens (EOS unless `ignore_eos`), `max_tokens`, and
+its stop strings, checked in that order after each token the scheduler appends.
+
+Stop strings need the text, so the request's text is brought up to date here too: while a request runs,
+by incremental decoding (the tokenizers library's DecodeStream), O(new tokens) per step where a full decode
+would be O(output) and quadratic over a long generation; once it is finished, by one full decode, so the
+final text is exactly `tokenizer.decode`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from kvpool.engine.request import Request, RequestStatus
+
+
+def check_stop_tokens(req: Request) -> bool:
+    """Stop tokens and the length limit only (no tokenizer): finished? (sets the request's status)."""
+    return req.check_stop_token()
+
+
+class Detokenizer:
+    """A request's output text, grown incrementally while it runs (see the module doc)."""
+
+    def __init__(self, tokenizer: Any, lock: threading.Lock) -> None:
+        self.tokenizer = tokenizer
+        self.lock = lock  # a fast tokenizer may refuse concurrent use ("Already borrowed")
+        self._streams: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
+
+    def decode(self, req: Request) -> str:
+        with self.lock:
+            return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+
+    def update(self, req: Request) -> int:
+        """Bring `req.output_text` up to date; returns where the new text starts."""
+        start = len(req.output_text)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if req.status.finished or backend is None:
+            req.output_text = self.decode(req)
+            return min(start, len(req.output_text))
+        state = self._streams.get(req.request_id)
+        if state is None:
+            state = self._streams[req.request_id] = [DecodeStream(skip_special_tokens=True), 0]
+        stream, done = state
+        ids = req.output_token_ids
+        pieces = []
+        with self.lock:
+            for tok in ids[done:]:
+                piece = stream.step(backend, tok)
+                if piece:
+                    pieces.append(piece)
+        state[1] = len(ids)
+        req.output_text += "".join(pieces)
+        return start
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+
+class StopChecker:
+    """The scheduler's stop decision with a tokenizer: stop tokens and length, then the text and its stop
+    strings. Returns whether the request is finished (its status and `stop_reason` set)."""
+
+    def __init__(self, detokenizer: Detokenizer | None) -> None:
+        self.detokenizer = detokenizer
+
+    def __call__(self, req: Request) -> bool:
+        finished = req.check_stop_token()
+        if self.detokenizer is None:
+            return finished
+        stops = req.sampling_params.stop
+        if stops and req.stop_reason in stops:
+            return finished  # cut at a stop string already: the text is final
+        new_from = self.detokenizer.update(req)
+        if stops and self._match(req, stops, new_from) and not finished:
+            req.status = RequestStatus.FINISHED_STOPPED
+            finished = True
+        return finished
+
+    @staticmethod
+    def _match(req: Request, stops: list[str], new_from: int) -> bool:
+        text = req.output_text
+        # Only text that arrived this step can complete a stop string: search from len(stop)-1 before it.
+        hits = [(p, s) for s in stops if (p := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+        if not hits:
+            return False
+        pos, s = min(hits)
+        req.output_text = text[: pos + (len(s) if req.sampling_params.include_stop_str_in_output else 0)]
+        req.stop_reason = s
+        return True
