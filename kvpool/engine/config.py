@@ -1,10 +1,18 @@
-"""Engine configuration, and parsing of human-written sizes such as '1GiB'."""
+"""Engine configuration, in sections (cache, scheduler, runner), and parsing of human-written sizes such as
+'1GiB'.
+
+A section's fields define the `kvpool` command line's engine flags too (their names, defaults and help), see
+`kvpool.flags`: a field made with `option(...)` is a flag, a plain field is not.
+"""
 
 from __future__ import annotations
 
+import argparse
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from kvpool.flags import add_flags, option, values
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
@@ -26,49 +34,142 @@ def parse_size(value: str | int | float, field: str = "kv_cache_memory") -> int:
     return int(num * _UNITS[unit])
 
 
+def _eviction_policies() -> list[str]:
+    from kvpool.core.eviction import policy_names
+
+    return policy_names()
+
+
+def _host_policies() -> list[str]:
+    from kvpool.core.host_pool import host_policy_names
+
+    return host_policy_names()
+
+
 @dataclass
-class EngineConfig:
-    model: str | None = None  # a local HF folder; None: the default SmolLM2
-    dtype: str = "bfloat16"
-    device: str | None = None  # None: cuda when present, else cpu
-    block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"
+class CacheConfig:
+    """The KV cache: its blocks, prefix caching, the host and store tiers, eviction, pins."""
+
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory: int | str = option("1GiB", "KV cache size: bytes, or e.g. 2GiB, 512MiB")
     num_blocks: int | None = None  # overrides kv_cache_memory (tests)
-    enable_prefix_caching: bool = True
-    hash_algo: str = "sha256"
+    enable_prefix_caching: bool = option(True, "disable automatic prefix caching", flag="--no-prefix-caching")
+    hash_algo: str = option("sha256", "block hash function", choices=("sha256", "xxh3_128"))
     hash_seed: str | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None
-    skip_tokenizer_init: bool = False
     enable_kv_events: bool = False
-    swap_space: int | str | float = 0  # host KV tier size (bytes, or e.g. '4GiB'); 0 disables it
+    swap_space: int | str | float = option(0, "host KV tier size (bytes, or e.g. 4GiB); 0 disables it")
     num_host_blocks: int | None = None  # overrides swap_space (tests)
-    host_eviction: str = "lru"  # lru | arc | any device policy (kvpool.core.policies)
-    eviction_policy: str = "lru"  # the device tier's: lru | slru | prefix | reuse (kvpool.core.policies)
+    host_eviction: str = option("lru", "host tier eviction policy", choices=_host_policies)
+    eviction_policy: str = option("lru", "device tier eviction policy (see kvpool bench policy)",
+                                  choices=_eviction_policies)
     pin_budget: float = 0.2  # fraction of the device pool that pinned prefixes may hold
-    write_through: bool = False  # copy every newly full block to the host tier, not only on eviction
+    write_through: bool = option(False, "copy every newly full block to the host tier, not only when evicted")
     # The store tier below the host tier: file:///dir or redis://host:port (kvpool.store); None: off.
-    kv_store: str | None = None
-    kv_store_deadline_s: float = 2.0  # a request waits at most this long for its store reads
+    kv_store: str | None = option(None, "store tier below the host tier: file:///dir or redis://host:port "
+                                  "(needs --swap-space)", metavar="URL")
+    kv_store_deadline_s: float = option(2.0, "seconds a request waits for its store reads before computing the "
+                                        "blocks itself", flag="--kv-store-deadline")
     # State models (Mamba / short-conv layers): keep the state at every this many prompt tokens (a
     # multiple of block_size; 0: only at the prompt's end and hit points), at most this many per request.
-    state_retention_tokens: int = 512
+    state_retention_tokens: int = option(512, "state models: keep the state every this many prompt tokens "
+                                         "(0: only at the end)")
     state_retention_budget: int = 8
     # False: every layer in one full-attention group (the uniform allocator), for comparisons.
-    hybrid_allocator: bool = True
+    hybrid_allocator: bool = option(True, "keep every layer's blocks as full attention does (the uniform "
+                                    "allocator, to compare)", flag="--no-hybrid-allocator")
+    encoder_cache_size: int | str = "256MiB"
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching: the step's token budget, its sequences, chunked prefill, the context."""
+
+    max_num_batched_tokens: int = option(2048, "token budget of one step")
+    max_num_seqs: int = option(64, "sequences in one step at most")
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = option(None, "longest request, prompt and output (default: the model's, "
+                                       "capped by what the KV cache holds)", type=int)
+
+
+@dataclass
+class RunnerConfig:
+    """The model and how it runs: weights, dtype, device, kernels, per-token outputs, images."""
+
+    model: str | None = option(None, "local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    dtype: str = option("bfloat16", "weights and KV cache dtype", choices=("bfloat16", "float32", "float16"))
+    device: str | None = option(None, "cpu or cuda (default: cuda when present)")
+    skip_tokenizer_init: bool = False
     # Omni stages: collect per-token outputs (final hidden states, plus the residual stream after each of
     # `stage_output_layers`) for every request; cached beside the KV blocks when prefix caching is on.
     stage_outputs: bool = False
     stage_output_layers: tuple[int, ...] = ()
     vision_encoder: Any = None  # an nn.Module mapping images to embeddings (see kvpool.runner.vision)
-    encoder_cache_size: int | str = "256MiB"
     # Results independent of batching, chunking and prefix hits, bit for bit (slower attention).
     batch_invariant: bool = False
-    # Decode attention through kvpool's compiled CPU kernel (kvpool.runner.kernels) when it builds here;
-    # False keeps to torch ops (also: KVPOOL_KERNELS=0).
-    native_kernels: bool = True
+    # kvpool's compiled CPU kernels (kvpool.runner.kernels) when they build here; False keeps to torch ops.
+    native_kernels: bool = option(True, "torch ops only: none of kvpool's compiled CPU kernels (decode and "
+                                  "prefill attention, fused norm, rotary and SiLU; also KVPOOL_KERNELS=0)",
+                                  flag="--no-native-kernels")
+
+
+SECTIONS: dict[str, type] = {"runner": RunnerConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
+
+
+class EngineConfig:
+    """The engine's configuration: `cache`, `scheduler` and `runner` sections.
+
+    Built from sections, or from flat keywords (`EngineConfig(block_size=4, dtype="float32")`, as `LLM(...)`
+    passes them), each routed to its section; flat reads (`config.block_size`) reach the same fields.
+    """
+
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    runner: RunnerConfig
+
+    def __init__(self, *, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
+                 runner: RunnerConfig | None = None, **flat: Any) -> None:
+        object.__setattr__(self, "cache", cache if cache is not None else CacheConfig())
+        object.__setattr__(self, "scheduler", scheduler if scheduler is not None else SchedulerConfig())
+        object.__setattr__(self, "runner", runner if runner is not None else RunnerConfig())
+        for name, value in flat.items():
+            if name not in _SECTION_OF:
+                raise TypeError(f"EngineConfig: unknown option {name!r}")
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the object: the sections' fields
+        section = _SECTION_OF.get(name)
+        if section is None:
+            raise AttributeError(f"EngineConfig has no option {name!r}")
+        return getattr(self.__dict__[section], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        section = _SECTION_OF.get(name)
+        if section is None:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.__dict__[section], name, value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EngineConfig) and all(
+            getattr(self, s) == getattr(other, s) for s in SECTIONS)
+
+    def __repr__(self) -> str:
+        return f"EngineConfig(cache={self.cache!r}, scheduler={self.scheduler!r}, runner={self.runner!r})"
+
+    @staticmethod
+    def add_cli_flags(p: argparse.ArgumentParser) -> None:
+        """The engine's flags, one argument group per section."""
+        for name, cls in SECTIONS.items():
+            add_flags(p, cls, f"engine ({name})")
+
+    @staticmethod
+    def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+        """The engine's flags as parsed: flat keyword arguments for `EngineConfig` / `LLM`."""
+        out: dict[str, Any] = {}
+        for cls in SECTIONS.values():
+            out.update(values(cls, args))
+        return out
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

@@ -1,22 +1,30 @@
 """The `kvpool serve` flags, apart from the server itself so that building the CLI parser stays cheap
-(the server pulls in torch, uvicorn and the engine)."""
+(the server pulls in torch, uvicorn and the engine). `ServerConfig`'s fields define them (see kvpool.flags)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+from kvpool.flags import add_flags, option
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP server: where it listens, who may call it, how much it takes in, where KV events go."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 and admin routes")
+    served_model_name: str | None = option(None, "the model id clients send (default: folder name)")
+    max_pending: int = option(256, "requests in flight (running + waiting) before new ones get HTTP 503")
+    max_body_bytes: int = option(4 << 20, "larger request bodies get HTTP 413")
+    kv_events_endpoint: str | None = option(None, "publish KV cache events on this ZeroMQ PUB endpoint "
+                                            "(e.g. tcp://127.0.0.1:5557)")
+    kv_events_replay_endpoint: str | None = option(None, "answer replay requests (vLLM's ROUTER protocol) on this "
+                                                   "ZeroMQ endpoint")
+    kv_events_topic: str = option("kv-events", "topic frame of each published KV event batch")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and admin routes")
-    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    g.add_argument("--max-pending", type=int, default=256,
-                   help="requests in flight (running + waiting) before new ones get HTTP 503")
-    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
-    g.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV cache events on this ZeroMQ PUB endpoint (e.g. tcp://127.0.0.1:5557)")
-    g.add_argument("--kv-events-replay-endpoint", default=None,
-                   help="answer replay requests (vLLM's ROUTER protocol) on this ZeroMQ endpoint")
-    g.add_argument("--kv-events-topic", default="kv-events", help="topic frame of each published KV event batch")
+    add_flags(p, ServerConfig, "server")

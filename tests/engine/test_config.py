@@ -1,0 +1,84 @@
+"""The engine's configuration sections, and the CLI flags their fields define (no model needed)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from kvpool.cli import build_parser, engine_kwargs
+from kvpool.engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from kvpool.server.options import ServerConfig
+
+# Every engine flag the CLI had before the configs defined them: none may disappear.
+ENGINE_FLAGS = {"--model", "--dtype", "--device", "--kv-cache-memory", "--block-size", "--no-prefix-caching",
+                "--hash-algo", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len", "--swap-space",
+                "--eviction-policy", "--host-eviction", "--write-through", "--state-retention-tokens", "--kv-store",
+                "--kv-store-deadline", "--no-hybrid-allocator", "--no-native-kernels"}
+SERVER_FLAGS = {"--host", "--port", "--api-key", "--served-model-name", "--max-pending", "--max-body-bytes",
+                "--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-topic"}
+
+
+def subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    out: dict[str, argparse.ArgumentParser] = {}
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sp in action.choices.items():
+                out[name] = sp
+                out.update({f"{name} {k}": v for k, v in subparsers(sp).items()})
+    return out
+
+
+def flags(p: argparse.ArgumentParser) -> set[str]:
+    return {s for a in p._actions for s in a.option_strings}
+
+
+def test_engine_and_server_flags_are_all_there() -> None:
+    subs = subparsers(build_parser())
+    for cmd in ("generate", "serve", "bench prefix", "bench multiturn"):
+        assert flags(subs[cmd]) >= ENGINE_FLAGS, cmd
+    assert flags(subs["serve"]) >= SERVER_FLAGS
+
+
+def test_flags_parse_into_the_config_fields() -> None:
+    args = build_parser().parse_args(["serve", "--no-prefix-caching", "--no-native-kernels", "--kv-store-deadline",
+                                      "0.5", "--max-model-len", "300", "--block-size", "8", "--dtype", "float32",
+                                      "--port", "9000"])
+    kw = engine_kwargs(args)
+    assert kw["enable_prefix_caching"] is False and kw["native_kernels"] is False and kw["hybrid_allocator"] is True
+    assert (kw["kv_store_deadline_s"], kw["max_model_len"], kw["block_size"], kw["dtype"]) == (0.5, 300, 8, "float32")
+    cfg = EngineConfig(**kw)
+    assert cfg.cache.block_size == 8 and cfg.scheduler.max_model_len == 300 and cfg.runner.native_kernels is False
+    assert args.port == 9000 and args.host == ServerConfig.host
+    # Defaults come from the fields: a bare command line gives the configs' defaults.
+    bare = EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi"])))
+    assert bare == EngineConfig()
+
+
+def test_flat_keywords_reach_their_sections() -> None:
+    cfg = EngineConfig(block_size=4, max_num_seqs=3, dtype="float32", model="m")
+    assert (cfg.cache, cfg.scheduler, cfg.runner) == (CacheConfig(block_size=4), SchedulerConfig(max_num_seqs=3),
+                                                      RunnerConfig(dtype="float32", model="m"))
+    assert (cfg.block_size, cfg.max_num_seqs, cfg.dtype, cfg.model) == (4, 3, "float32", "m")
+    cfg.block_size = 32
+    assert cfg.cache.block_size == 32
+    with pytest.raises(TypeError, match="EngineConfig: unknown option 'blok_size'"):
+        EngineConfig(blok_size=4)
+    with pytest.raises(AttributeError, match="no option 'nope'"):
+        _ = cfg.nope
+
+
+def test_native_kernels_help_names_every_kernel() -> None:
+    help_text = build_parser().format_help() + subparsers(build_parser())["serve"].format_help()
+    assert "prefill attention" in help_text and "fused norm" in help_text
+
+
+def test_every_subcommand_runs_a_function() -> None:
+    subs = subparsers(build_parser())
+    runnable = {name: sp for name, sp in subs.items() if sp.get_default("run")}
+    assert set(runnable) == set(subs) - {"bench"}
+    for name, sp in runnable.items():
+        module, fn = sp.get_default("run").split(":")
+        assert callable(getattr(importlib.import_module(module), fn)), name
+        assert sp.get_default("with_engine") == (flags(sp) >= ENGINE_FLAGS), name
