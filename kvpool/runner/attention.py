@@ -17,16 +17,20 @@ serve need no cascade, gather or mask; in bf16, decode rows of sequences sharing
 its keys once for the whole group. The torch code here remains the path for everything else (fp16,
 other head sizes, batch-invariant mode, machines without a compiler) and the reference the kernels
 are tested against.
+
+Which of these paths a step takes is the runner's choice, made once at start: an attention backend
+(kvpool.runner.attention_backends) plans each step's metadata and runs the attention of every layer
+that reads it; `paged_attention` hands the call to the backend that planned the metadata.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvpool.runner import kernels
 from kvpool.runner.invariant import MIN_ROWS
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -75,20 +79,16 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # (B, W * block_size) True where a key is visible
     decode_lows: torch.Tensor | None = None  # (B,) first visible key, counted from the table's first block
     decode_lens: torch.Tensor | None = None  # (B,) keys up to here, same origin
-    # Decode rows go through the compiled kernel (kvpool.runner.kernels), which reads every key in place
-    # and so needs neither cascades nor the padded gather.
-    decode_kernel: bool = False
-    # With the prefill kernel too (bf16, full attention), the decode rows form groups: rows
-    # decode_group_starts[i]..[i+1] share their first decode_shared[i] keys (None: no groups this step).
+    # Grouped decode kernel (bf16, full attention): rows decode_group_starts[i]..[i+1] share their first
+    # decode_shared[i] keys (None: no groups this step).
     decode_group_starts: torch.Tensor | None = None
     decode_shared: torch.Tensor | None = None
     # Multi-token chunks through the compiled flash kernel (bf16): no cascades, masks or gathers for them.
-    prefill_kernel: bool = False
     prefill_args: tuple[torch.Tensor, ...] = ()  # q_starts, q_lens, ctx_lens, tables: see plan_prefill_batch
     # Sliding-window layers: each query sees the `window` most recent positions, itself included.
     window: int | None = None
-    # Every sequence through `invariant_attention` (no cascades, no decode batch, no fresh-prefill kernel).
-    batch_invariant: bool = False
+    # The attention backend that planned this metadata: `paged_attention` runs its forward.
+    backend: Any = None
 
 
 def shared_prefix_groups(seqs: list[SeqAttn], candidates: list[int], block_size: int, min_tokens: int
@@ -118,15 +118,18 @@ def shared_prefix_groups(seqs: list[SeqAttn], candidates: list[int], block_size:
     return out
 
 
-def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MIN_CASCADE_TOKENS) -> None:
+def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MIN_CASCADE_TOKENS, *,
+                  skip_decodes: bool = False, skip_chunks: bool = False) -> None:
     """Group sequences sharing leading physical blocks; set each member's `prefix_len`.
 
     A member's queries must all lie after the shared prefix, so the prefix is fully visible to them.
-    Not for sliding-window layers: their shared prefix soon falls out of the window.
+    Not for sliding-window layers: their shared prefix soon falls out of the window. Rows a compiled
+    kernel serves (`skip_decodes`: single queries; `skip_chunks`: multi-token chunks) read their whole
+    context in place and join no group.
     """
     if meta.window is not None:
         return
-    candidates = [i for i, s in enumerate(meta.seqs) if not _kernel_reads(meta, s)]
+    candidates = [i for i, s in enumerate(meta.seqs) if not (skip_decodes if s.num_queries == 1 else skip_chunks)]
     for members, n in shared_prefix_groups(meta.seqs, candidates, block_size, min_tokens):
         first = meta.seqs[members[0]].block_ids
         for i in members:
@@ -149,13 +152,15 @@ def plan_windows(meta: AttentionMetadata, block_size: int) -> None:
         s.first_block = max(0, s.context_len - s.num_queries - meta.window + 1) // block_size
 
 
-def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
-    """Batch the single-query sequences' suffixes (context after their cascade prefix)."""
+def plan_decode_batch(meta: AttentionMetadata, block_size: int, *, kernel: bool = False, grouped: bool = False
+                      ) -> None:
+    """Batch the single-query sequences' suffixes (context after their cascade prefix). `kernel`: for the
+    compiled decode kernel (no mask); `grouped`: for its grouped form (full attention only)."""
     idx = [i for i, s in enumerate(meta.seqs) if s.num_queries == 1]
     if not idx:
         return
     dev = meta.slot_mapping.device
-    if meta.decode_kernel and meta.prefill_kernel and meta.window is None:
+    if kernel and grouped and meta.window is None:
         # bf16: every decode row goes through kvpool::paged_decode_grouped, in groups of sequences
         # sharing a prefix (its keys read once for all of them) or alone. Its arithmetic per row does not
         # depend on the grouping, so tokens come out the same with prefix caching on or off.
@@ -186,22 +191,15 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int) -> None:
     meta.decode_tables = padded
     meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
     meta.decode_lows = torch.tensor(lows, dtype=torch.long, device=dev)
-    if meta.decode_kernel:
+    if kernel:
         return
     meta.decode_mask = pos[None, :] < meta.decode_lens[:, None]
     if meta.window is not None:
         meta.decode_mask &= pos[None, :] >= meta.decode_lows[:, None]
 
 
-def _kernel_reads(meta: AttentionMetadata, s: SeqAttn) -> bool:
-    """Whether a compiled kernel attends for this sequence (then it reads its whole context in place)."""
-    return meta.decode_kernel if s.num_queries == 1 else meta.prefill_kernel
-
-
 def plan_prefill_batch(meta: AttentionMetadata) -> None:
     """The multi-token chunks' rows, context lengths and whole block tables, for the prefill kernel."""
-    if not meta.prefill_kernel:
-        return
     idx = [i for i, s in enumerate(meta.seqs) if s.num_queries > 1]
     if not idx:
         return
@@ -222,7 +220,7 @@ def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int, block_si
     w = meta.window
     for s in meta.seqs:
         ql = s.num_queries
-        if ql == 1 or (s.context_len == ql and (w is None or ql <= w)) or meta.prefill_kernel:
+        if ql == 1 or (s.context_len == ql and (w is None or ql <= w)):
             continue
         n_keys = s.context_len - s.first_block * block_size
         dev = meta.slot_mapping.device
@@ -316,41 +314,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     Every token's K/V is written before any sequence reads, so a sequence may attend to blocks that
     another sequence of the same step computes (a prefix hit on blocks cached at allocation time).
+    The backend that planned `meta` computes it (see kvpool.runner.attention_backends).
     """
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.batch_invariant:
-        return invariant_attention(q, k_cache, v_cache, meta, scale)
-    out = torch.empty_like(q)
-    grouped = bool(meta.groups)
-    acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if grouped else None
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if grouped else None
-    if meta.decode_seqs and meta.decode_kernel:
-        op = kernels.paged_decode_attention()
-        assert op is not None, "decode_kernel is set only when the kernel loaded"
-        rows, tables, lows, lens = meta.decode_rows, meta.decode_tables, meta.decode_lows, meta.decode_lens
-        assert rows is not None and tables is not None and lows is not None and lens is not None
-        qd = q[rows]
-        if meta.decode_group_starts is not None:
-            od = torch.ops.kvpool.paged_decode_grouped(qd, k_cache, v_cache, tables, lens, meta.decode_group_starts,
-                                                       meta.decode_shared, scale, torch.empty_like(qd))
-        else:
-            od = op(qd, k_cache, v_cache, tables, lows, lens, scale, torch.empty_like(qd))
-        out[rows] = od
-    elif meta.decode_seqs:
-        o, l_ = _decode_suffix(q, k_cache, v_cache, meta, scale)
-        rows = meta.decode_rows
-        assert rows is not None
-        out[rows] = o.to(q.dtype)  # rows in a cascade group are overwritten by the merge below
-        if grouped:
-            acc[rows] = o  # type: ignore[index]
-            lse[rows] = l_  # type: ignore[index]
-    if meta.prefill_args:
-        op = kernels.paged_prefill_attention()
-        assert op is not None, "prefill_kernel is set only when the kernel loaded"
-        op(q.contiguous(), k_cache, v_cache, *meta.prefill_args, meta.window or 0, scale, out)
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def torch_decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, out: torch.Tensor, acc: torch.Tensor | None, lse: torch.Tensor | None) -> None:
+    """The step's decode rows over their suffixes, in torch; their fp32 partials into acc/lse when grouped."""
+    o, l_ = _decode_suffix(q, k_cache, v_cache, meta, scale)
+    rows = meta.decode_rows
+    assert rows is not None
+    out[rows] = o.to(q.dtype)  # rows in a cascade group are overwritten by the merge below
+    if acc is not None and lse is not None:
+        acc[rows] = o
+        lse[rows] = l_
+
+
+def torch_chunk_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                     acc: torch.Tensor | None, lse: torch.Tensor | None) -> None:
+    """The step's multi-token chunks, one sequence at a time, in torch (cascade members' suffixes into
+    acc/lse, merged with their prefix by `merge_cascades`)."""
     for s in meta.seqs:
         ql = s.num_queries
-        if ql == 1 or meta.prefill_kernel:
+        if ql == 1:
             continue
         qs = q[s.q_start:s.q_end]
         if s.context_len == ql and s.bias is None:
@@ -367,11 +355,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         vv = gather_blocks(v_cache, s.block_ids[first:])[:, :n_keys]
         assert s.bias is not None, "plan_masks must run once per step before the forward"
         o, l_ = _flash_lse(qs, kk, vv, scale, s.bias)
-        if grouped and s.prefix_len:
-            acc[s.q_start:s.q_end] = o.float()  # type: ignore[index]
-            lse[s.q_start:s.q_end] = l_  # type: ignore[index]
+        if acc is not None and lse is not None and s.prefix_len:
+            acc[s.q_start:s.q_end] = o.float()
+            lse[s.q_start:s.q_end] = l_
         else:
             out[s.q_start:s.q_end] = o
+
+
+def merge_cascades(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, out: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor) -> None:
+    """Each cascade group's queries over its shared prefix, once, merged with the members' suffixes."""
     for g in meta.groups:
         if g.first_block is not None:
             h, _, bs, d = k_cache.shape
@@ -382,9 +375,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             kp = gather_blocks(k_cache, g.prefix_block_ids)
             vp = gather_blocks(v_cache, g.prefix_block_ids)
         o_p, l_p = _flash_lse(q[g.rows], kp, vp, scale)
-        merged, _ = _merge(acc[g.rows], lse[g.rows], o_p, l_p)  # type: ignore[index]
+        merged, _ = _merge(acc[g.rows], lse[g.rows], o_p, l_p)
         out[g.rows] = merged.to(q.dtype)
-    return out
 
 
 # Keys per reduction step of `invariant_attention`, at absolute positions 0, C, 2C, ...

@@ -12,25 +12,24 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvpool.core.host_tier import split_host_pages
-from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
+from kvpool.core.kv_cache_spec import (
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from kvpool.core.swap import SwapPlan
 from kvpool.runner import kernels
-from kvpool.runner.attention import (
-    AttentionMetadata,
-    SeqAttn,
-    plan_cascades,
-    plan_decode_batch,
-    plan_masks,
-    plan_prefill_batch,
-    plan_windows,
-)
+from kvpool.runner.attention import AttentionMetadata, SeqAttn
+from kvpool.runner.attention_backends import select_backend
 from kvpool.runner.encoder_cache import EncoderCache
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
@@ -58,6 +57,18 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class _StepPlan:
+    """What the group planners of one step read: the step, and per group its slots and sequences."""
+
+    steps: list[Any]  # the step's SeqSteps, in batch order
+    spans: list[tuple[int, int, int]]  # per sequence: first row, first position, tokens
+    slots: list[torch.Tensor]  # per group: the slot of every token
+    seqs: list[list[SeqAttn]]  # per attention group: its sequences
+    state_tables: list[list[list[int]]]  # per state group: each sequence's block table
+    masks_by_window: dict[int, AttentionMetadata] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,6 +152,11 @@ class ModelRunner:
                               and kernels.paged_decode_attention() is not None)
         self.prefill_kernel = (self.decode_kernel and self.dtype == torch.bfloat16
                                and kernels.prefill_supported(arch.head_dim, block_size))
+        # The attention path, chosen once: it plans every attention group's metadata and computes it.
+        self.attn_backend = select_backend(block_size=block_size, dtype=self.dtype,
+                                           group_heads=arch.num_heads // arch.num_kv_heads,
+                                           batch_invariant=batch_invariant, decode_kernel=self.decode_kernel,
+                                           prefill_kernel=self.prefill_kernel, cascade=enable_cascade)
         # Fused bf16 norm, rotary and SiLU-and-multiply: modules with a `fused` slot use them when set.
         self.fused_ops = self.decode_kernel and self.dtype == torch.bfloat16
         if self.fused_ops:
@@ -160,6 +176,10 @@ class ModelRunner:
             self.layout = LayerLayout.from_specs(
                 layer_specs(state_shapes, block_size, arch.num_kv_heads, arch.head_dim, elem), arch.layer_windows)
         self._state_groups = {g for g, s in enumerate(self.layout.specs) if isinstance(s, MambaSpec)}
+        # Per-group metadata is planned by the planner of the group's spec type.
+        self._planners: dict[type[KVCacheSpec], Any] = {
+            FullAttentionSpec: self._plan_attention, SlidingWindowSpec: self._plan_attention,
+            CrossAttentionSpec: self._plan_cross, MambaSpec: self._plan_state}
         self._cross_groups = self.layout.cross_groups  # planned by plan_cross_attention, not by position
         self._views, self._view_of_layer = self.layout.attention_views()
         groups = [g for g, _ in self._views]
@@ -283,42 +303,38 @@ class ModelRunner:
                 slot_chunks[g].append(table[pos // bs] * bs + pos % bs)
                 seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
             t += n
-        metas: list[GroupMetadata] = []
         slots = [torch.cat(c).to(dev) if c else torch.empty(0, dtype=torch.long, device=dev) for c in slot_chunks]
-        # Masks depend on positions and the window, not on block ids: groups of one window share them.
-        masks_by_window: dict[int, AttentionMetadata] = {}
-        for g, window in self._views:
-            if g in self._state_groups:
-                metas.append(plan_state(spans, state_tables[g], bs, dev))
-                continue
-            if g in self._cross_groups:
-                metas.append(plan_cross_attention(steps, g, bs, self.dtype, dev))
-                continue
-            # Planning annotates the sequences, so each view of a group gets its own copies.
-            group_seqs = [replace(x) for x in seqs[g]] if g in self._shared_groups else seqs[g]
-            meta = AttentionMetadata(slot_mapping=slots[g], seqs=group_seqs, window=window,
-                                     decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
-            metas.append(meta)
-            if self.batch_invariant:
-                meta.batch_invariant = True
-                continue
-            plan_windows(meta, bs)
-            if self.enable_cascade:
-                plan_cascades(meta, bs)
-                self.num_cascade_steps += bool(meta.groups) and g == 0
-            plan_decode_batch(meta, bs)
-            shared = meta.decode_shared
-            self.num_grouped_decode_steps += bool(shared is not None and shared.any()) and g == 0
-            plan_prefill_batch(meta)
-            twin = masks_by_window.get(window) if window is not None else None
-            if twin is None:
-                plan_masks(meta, self.dtype, self.arch.num_heads // self.arch.num_kv_heads, bs)
-                if window is not None:
-                    masks_by_window[window] = meta
-            else:
-                for mine, theirs in zip(meta.seqs, twin.seqs, strict=True):
-                    mine.bias = theirs.bias
+        plan = _StepPlan(steps, spans, slots, seqs, state_tables)
+        metas: list[GroupMetadata] = [self._planner(g)(plan, g, window) for g, window in self._views]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), metas)
+
+    def _planner(self, g: int) -> Any:
+        spec = type(self.layout.specs[g])
+        for cls in spec.__mro__:
+            if cls in self._planners:
+                return self._planners[cls]
+        raise TypeError(f"no metadata planner for KV cache group {g} ({spec.__name__})")
+
+    def _plan_state(self, plan: _StepPlan, g: int, window: int | None) -> GroupMetadata:
+        return plan_state(plan.spans, plan.state_tables[g], self.block_size, self.device)
+
+    def _plan_cross(self, plan: _StepPlan, g: int, window: int | None) -> GroupMetadata:
+        return plan_cross_attention(plan.steps, g, self.block_size, self.dtype, self.device)
+
+    def _plan_attention(self, plan: _StepPlan, g: int, window: int | None) -> GroupMetadata:
+        # Planning annotates the sequences, so each view of a group gets its own copies.
+        group_seqs = [replace(x) for x in plan.seqs[g]] if g in self._shared_groups else plan.seqs[g]
+        meta = AttentionMetadata(slot_mapping=plan.slots[g], seqs=group_seqs, window=window)
+        # Masks depend on positions and the window, not on block ids: groups of one window share them.
+        twin = plan.masks_by_window.get(window) if window is not None else None
+        self.attn_backend.plan(meta, twin)
+        if twin is None and window is not None:
+            plan.masks_by_window[window] = meta
+        if g == 0:
+            self.num_cascade_steps += bool(meta.groups)
+            shared = meta.decode_shared
+            self.num_grouped_decode_steps += bool(shared is not None and shared.any())
+        return meta
 
     def allocate_host_cache(self, swap_space: int) -> int:
         """Host-tier KV tensors of `swap_space` bytes (pinned when a GPU will copy from them); returns

@@ -6,14 +6,12 @@ import pytest
 import torch
 
 from kvpool.runner import kernels
-from kvpool.runner.attention import (
-    AttentionMetadata,
-    SeqAttn,
-    paged_attention,
-    plan_cascades,
-    plan_decode_batch,
-    plan_masks,
-    plan_windows,
+from kvpool.runner.attention import AttentionMetadata, SeqAttn, paged_attention
+from kvpool.runner.attention_backends import (
+    BatchInvariantBackend,
+    CpuKernelBackend,
+    TorchBackend,
+    select_backend,
 )
 
 KERNEL = [False, True]  # decode rows through the torch path, then through the compiled kernel
@@ -64,13 +62,12 @@ def run_step(seqs: list[tuple[list[int], int, int]], cascade: bool, dtype: torch
         slots.append(slot)
         metas.append(SeqAttn(row, row + n, start + n, t[: -(-(start + n) // BS)]))
         row += n
-    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=metas, window=window, decode_kernel=kernel)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=metas, window=window)
     assert not kernel or kernels.paged_decode_attention() is not None, "the decode kernel did not build"
-    plan_windows(meta, BS)
-    if cascade:
-        plan_cascades(meta, BS, min_tokens=BS)
-    plan_decode_batch(meta, BS)
-    plan_masks(meta, dtype, H // HKV, BS)
+    # The decode kernel alone (chunks through torch, with cascades), or torch only.
+    backend = (CpuKernelBackend(BS, dtype, H // HKV, prefill=False, cascade=cascade, min_cascade_tokens=BS) if kernel
+               else TorchBackend(BS, dtype, H // HKV, cascade=cascade, min_cascade_tokens=BS))
+    backend.plan(meta)
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), kc, vc, meta, D ** -0.5)
     # Reference over the cache as it is after the write.
     for (table, start, n), m in zip(seqs, metas, strict=True):
@@ -155,3 +152,42 @@ def test_sliding_window_matches_dense(case: str, kernel: bool) -> None:
     assert not meta.groups  # no cascades over a window
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_backends_are_chosen_once_from_what_the_runner_allows() -> None:
+    kw = dict(block_size=BS, dtype=torch.float32, group_heads=2, cascade=True)
+    assert isinstance(select_backend(batch_invariant=True, decode_kernel=False, prefill_kernel=False, **kw),
+                      BatchInvariantBackend)
+    assert isinstance(select_backend(batch_invariant=False, decode_kernel=False, prefill_kernel=False, **kw),
+                      TorchBackend)
+    if kernels.paged_decode_attention() is not None:
+        b = select_backend(batch_invariant=False, decode_kernel=True, prefill_kernel=False, **kw)
+        assert isinstance(b, CpuKernelBackend) and not b.prefill
+
+
+def test_batch_invariant_backend_equals_dense() -> None:
+    seqs = CASES["mixed, with an unrelated fresh prefill"]
+    torch.manual_seed(0)
+    kc = torch.randn(HKV, 32, BS, D)
+    vc = torch.randn(HKV, 32, BS, D)
+    row, metas, qs, ks, vs, slots = 0, [], [], [], [], []
+    for table, start, n in seqs:
+        t = torch.tensor(table)
+        pos = torch.arange(start, start + n)
+        qs.append(torch.randn(n, H, D))
+        ks.append(torch.randn(n, HKV, D))
+        vs.append(torch.randn(n, HKV, D))
+        slots.append(t[pos // BS] * BS + pos % BS)
+        metas.append(SeqAttn(row, row + n, start + n, t[: -(-(start + n) // BS)]))
+        row += n
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=metas)
+    inv = BatchInvariantBackend(BS, torch.float32, H // HKV)
+    inv.plan(meta)
+    got = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), kc, vc, meta, D ** -0.5)
+    for (table, start, n), m in zip(seqs, metas, strict=True):
+        t = torch.tensor(table)
+        pos = torch.arange(start + n)
+        flat = t[pos // BS] * BS + pos % BS
+        k_all, v_all = kc.view(HKV, -1, D)[:, flat].transpose(0, 1), vc.view(HKV, -1, D)[:, flat].transpose(0, 1)
+        want = dense(torch.cat(qs)[m.q_start:m.q_end], k_all, v_all, start)
+        torch.testing.assert_close(got[m.q_start:m.q_end], want, rtol=1e-5, atol=1e-5)

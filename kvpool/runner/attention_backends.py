@@ -1,0 +1,180 @@
+"""Attention backends: each path of paged attention as one object, chosen once when the runner starts.
+
+A backend `plan`s a step's `AttentionMetadata` for one KV cache group (what its kernels need: cascade
+groups, the decode batch, masks, kernel arguments) and its `forward` runs the attention of every layer
+reading that group. The planned metadata names its backend, so `paged_attention` (the op every model
+calls) dispatches without testing mode flags per call.
+
+- `TorchBackend`: torch ops only; cascade attention over shared prefixes (see kvpool.runner.attention).
+- `CpuKernelBackend`: kvpool's compiled CPU kernels (kvpool.runner.kernels) for decode rows and, in bf16,
+  for multi-token chunks (grouped decode then reads a shared prefix once per group); torch for the rest.
+- `BatchInvariantBackend`: results independent of batching, chunking and prefix hits (omni stages).
+
+A CUDA backend would be one more class here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.runner import kernels
+from kvpool.runner.attention import (
+    MIN_CASCADE_TOKENS,
+    AttentionMetadata,
+    invariant_attention,
+    merge_cascades,
+    plan_cascades,
+    plan_decode_batch,
+    plan_masks,
+    plan_prefill_batch,
+    plan_windows,
+    torch_chunk_rows,
+    torch_decode_rows,
+    write_kv,
+)
+
+
+class AttentionBackend:
+    """Plans a group's metadata for a step, and computes attention from it (see the module doc)."""
+
+    name = "base"
+
+    def __init__(self, block_size: int, dtype: torch.dtype, group_heads: int) -> None:
+        self.block_size = block_size
+        self.dtype = dtype
+        self.group_heads = group_heads  # query heads per kv head (masks repeat their rows that often)
+
+    def plan(self, meta: AttentionMetadata, twin: AttentionMetadata | None = None) -> None:
+        """Annotate `meta` for `forward`. `twin`: planned metadata of another group with the same
+        window and sequences, whose masks this one may share (they depend on positions only)."""
+        meta.backend = self
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _masks(self, meta: AttentionMetadata, twin: AttentionMetadata | None) -> None:
+        if twin is None:
+            plan_masks(meta, self.dtype, self.group_heads, self.block_size)
+        else:
+            for mine, theirs in zip(meta.seqs, twin.seqs, strict=True):
+                mine.bias = theirs.bias
+
+
+class TorchBackend(AttentionBackend):
+    """Torch ops: batched decode rows, per-sequence chunks, cascades over shared prefixes."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int, dtype: torch.dtype, group_heads: int, *, cascade: bool = True,
+                 min_cascade_tokens: int = MIN_CASCADE_TOKENS) -> None:
+        super().__init__(block_size, dtype, group_heads)
+        self.cascade = cascade
+        self.min_cascade_tokens = min_cascade_tokens
+
+    def plan(self, meta: AttentionMetadata, twin: AttentionMetadata | None = None) -> None:
+        meta.backend = self
+        plan_windows(meta, self.block_size)
+        if self.cascade:
+            plan_cascades(meta, self.block_size, self.min_cascade_tokens)
+        plan_decode_batch(meta, self.block_size)
+        self._masks(meta, twin)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        acc, lse = _partials(q, meta)
+        if meta.decode_seqs:
+            torch_decode_rows(q, k_cache, v_cache, meta, scale, out, acc, lse)
+        torch_chunk_rows(q, k, v, k_cache, v_cache, meta, scale, out, acc, lse)
+        if acc is not None and lse is not None:
+            merge_cascades(q, k_cache, v_cache, meta, scale, out, acc, lse)
+        return out
+
+
+class CpuKernelBackend(AttentionBackend):
+    """kvpool's compiled CPU kernels: every decode row; with `prefill` (bf16) every multi-token chunk too,
+    and decode rows grouped by shared prefix. Chunks the kernels do not take go through torch, with
+    cascades."""
+
+    name = "cpu-kernels"
+
+    def __init__(self, block_size: int, dtype: torch.dtype, group_heads: int, *, prefill: bool,
+                 cascade: bool = True, min_cascade_tokens: int = MIN_CASCADE_TOKENS) -> None:
+        super().__init__(block_size, dtype, group_heads)
+        self.decode_op = kernels.paged_decode_attention()
+        if self.decode_op is None:
+            raise RuntimeError("CpuKernelBackend: kvpool's decode kernel did not build on this machine")
+        self.prefill_op = kernels.paged_prefill_attention() if prefill else None
+        if prefill and self.prefill_op is None:
+            raise RuntimeError("CpuKernelBackend: kvpool's prefill kernel did not build on this machine")
+        self.prefill = prefill
+        self.cascade = cascade
+        self.min_cascade_tokens = min_cascade_tokens
+
+    def plan(self, meta: AttentionMetadata, twin: AttentionMetadata | None = None) -> None:
+        meta.backend = self
+        plan_windows(meta, self.block_size)
+        if self.cascade and not self.prefill:  # (with the prefill kernel, no row is left for a cascade)
+            plan_cascades(meta, self.block_size, self.min_cascade_tokens, skip_decodes=True)
+        plan_decode_batch(meta, self.block_size, kernel=True, grouped=self.prefill)
+        if self.prefill:
+            plan_prefill_batch(meta)
+        else:
+            self._masks(meta, twin)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode_seqs:
+            rows, tables, lows, lens = meta.decode_rows, meta.decode_tables, meta.decode_lows, meta.decode_lens
+            assert rows is not None and tables is not None and lows is not None and lens is not None
+            qd = q[rows]
+            if meta.decode_group_starts is not None:
+                od = torch.ops.kvpool.paged_decode_grouped(qd, k_cache, v_cache, tables, lens,
+                                                           meta.decode_group_starts, meta.decode_shared, scale,
+                                                           torch.empty_like(qd))
+            else:
+                od = self.decode_op(qd, k_cache, v_cache, tables, lows, lens, scale, torch.empty_like(qd))
+            out[rows] = od
+        if self.prefill:
+            if meta.prefill_args:
+                self.prefill_op(q.contiguous(), k_cache, v_cache, *meta.prefill_args, meta.window or 0, scale, out)
+            return out
+        acc, lse = _partials(q, meta)
+        torch_chunk_rows(q, k, v, k_cache, v_cache, meta, scale, out, acc, lse)
+        if acc is not None and lse is not None:
+            merge_cascades(q, k_cache, v_cache, meta, scale, out, acc, lse)
+        return out
+
+
+class BatchInvariantBackend(AttentionBackend):
+    """Every sequence through `invariant_attention`: no cascades, no decode batch, no kernels."""
+
+    name = "batch-invariant"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return invariant_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _partials(q: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp32 outputs and log-sum-exps of cascade members' suffixes, to merge with their prefix (None: no
+    cascade this step)."""
+    if not meta.groups:
+        return None, None
+    return (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+            torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+
+
+def select_backend(*, block_size: int, dtype: torch.dtype, group_heads: int, batch_invariant: bool,
+                   decode_kernel: bool, prefill_kernel: bool, cascade: bool) -> AttentionBackend:
+    """The runner's backend, chosen once from what this model, dtype and machine allow."""
+    if batch_invariant:
+        return BatchInvariantBackend(block_size, dtype, group_heads)
+    if decode_kernel:
+        return CpuKernelBackend(block_size, dtype, group_heads, prefill=prefill_kernel, cascade=cascade)
+    return TorchBackend(block_size, dtype, group_heads, cascade=cascade)
