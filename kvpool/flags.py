@@ -28,13 +28,15 @@ class Flag:
     choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None  # a callable is asked when the parser is built
     metavar: str | None = None
     action: str | None = None  # e.g. "append"
+    nargs: str | int | None = None  # e.g. "+": a list field (`--lora-modules a=PATH b=PATH`)
 
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None, type: Callable[[str], Any] | None = None,
            choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None, metavar: str | None = None,
-           action: str | None = None, default_factory: Callable[[], Any] | None = None) -> Any:
+           action: str | None = None, nargs: str | int | None = None,
+           default_factory: Callable[[], Any] | None = None) -> Any:
     """A dataclass field that is a command-line flag too (see the module doc)."""
-    meta = {_KEY: Flag(help, flag, type, choices, metavar, action)}
+    meta = {_KEY: Flag(help, flag, type, choices, metavar, action, nargs)}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -63,6 +65,8 @@ def add_flags(p: argparse.ArgumentParser | Any, cls: type, title: str | None = N
         else:
             if m.action:
                 kw["action"] = m.action
+            if m.nargs is not None:
+                kw["nargs"] = m.nargs
             typ = m.type or (type(default) if isinstance(default, int | float) else None)
             if typ is not None:
                 kw["type"] = typ

@@ -82,3 +82,25 @@ def test_every_subcommand_runs_a_function() -> None:
         module, fn = sp.get_default("run").split(":")
         assert callable(getattr(importlib.import_module(module), fn)), name
         assert sp.get_default("with_engine") == (flags(sp) >= ENGINE_FLAGS), name
+
+
+def test_a_new_field_is_a_new_flag() -> None:
+    """How a flag is added: one field (here a list, a path and a number, as the LoRA and image options are)."""
+    from dataclasses import dataclass
+
+    from kvpool.flags import add_flags, option, values
+
+    @dataclass
+    class Extra:
+        lora_modules: list[str] = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+            help="name=PATH adapters", nargs="+", metavar="NAME=PATH", default_factory=list)
+        max_loras: int = option(1, "adapters in one batch")
+        media_dir: str | None = option(None, "file:// images only under here", flag="--allowed-local-media-path")
+        internal: int = 3  # not a flag
+
+    p = argparse.ArgumentParser()
+    add_flags(p, Extra, "extra")
+    args = p.parse_args(["--lora-modules", "a=/x", "b=/y", "--max-loras", "4", "--allowed-local-media-path", "/m"])
+    assert Extra(**values(Extra, args)) == Extra(["a=/x", "b=/y"], 4, "/m")
+    assert Extra(**values(Extra, p.parse_args([]))) == Extra()
+    assert "--internal" not in flags(p) and "adapters in one batch (default: 1)" in p.format_help()
