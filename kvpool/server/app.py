@@ -28,6 +28,7 @@ from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
 
@@ -66,15 +67,12 @@ async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
         if len(raw) > max_bytes:
             raise APIError(413, f"body: over the limit of {max_bytes} bytes")
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"body: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"body: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "body: must be a JSON object")
+        data = parse_json_object(bytes(raw), request.headers.get("content-type"))
+    except BodyError as e:
+        raise APIError(400, str(e)) from None
     try:
-        return model.model_validate(data)
+        # Strict: a wrong JSON type is an error ("stream": "yes", "seed": "5"), not coerced.
+        return model.model_validate(data, strict=True)
     except ValidationError as e:
         raise _validation_error(e) from None
 
@@ -187,6 +185,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                     raise asyncio.CancelledError
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
+        except ValueError as e:  # refused on the engine thread when queued (e.g. a request id in use)
+            raise APIError.from_value_error(e) from None
         finally:
             if not task.done():
                 task.cancel()
@@ -212,6 +212,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                     yield f"data: {json.dumps(body)}\n\n"
             except EngineDeadError as e:
                 yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[503], 'code': 503}})}\n\n"
+            except ValueError as e:  # refused on the engine thread when queued
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[400], 'code': 400}})}\n\n"
             finally:
                 stream.abort()  # a no-op when finished; frees the blocks when the client left mid-stream
             yield "data: [DONE]\n\n"
