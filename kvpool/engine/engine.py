@@ -30,6 +30,7 @@ from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
+from kvpool.runner.image_inputs import ImageInputs
 from kvpool.runner.mllama import MllamaForConditionalGeneration, MllamaInputs
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
@@ -105,6 +106,10 @@ class LLMEngine:
         # Cross-attention models read their images through cross-attention layers, not placeholder embeddings.
         self.cross = (MllamaInputs(self.runner.model, self.mm.cache)
                       if isinstance(self.runner.model, MllamaForConditionalGeneration) else None)
+        # Pictures (decoded, e.g. by the HTTP server) into mm_inputs by the model's own image processor;
+        # None: this engine takes no images, or only preprocessed ones through the Python API.
+        self.images = (ImageInputs.load(self.model_dir, self.cross.arch.image_token_id, self.tokenizer)
+                       if self.cross is not None else None)
         self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
                               if config.stage_outputs else None)
         # The store tier below the host tier (kvpool.store): reads while a request waits, write-through

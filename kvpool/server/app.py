@@ -15,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,7 +28,9 @@ from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.multimodal import MMInput
 from kvpool.server.json_body import BodyError, parse_json_object
+from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
 
@@ -126,9 +128,10 @@ class _TextDeltas:
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, api_key: str | None = None,
-               max_body_bytes: int = 4 << 20) -> FastAPI:
+               max_body_bytes: int = 4 << 20, media: MediaOptions | None = None) -> FastAPI:
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    media = media or MediaOptions()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -155,9 +158,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise APIError(404, f"model: The model `{name}` does not exist (this server has `{model_name}`)",
                            "model")
 
-    async def start(prompt: str | list[int], params: SamplingParams, salt: str | None) -> RequestStream:
+    async def start(prompt: str | list[int], params: SamplingParams, salt: str | None,
+                    mm_inputs: Sequence[MMInput] = ()) -> RequestStream:
         try:
-            return await engine.add_request(prompt, params, request_id=uuid.uuid4().hex, cache_salt=salt)
+            return await engine.add_request(prompt, params, request_id=uuid.uuid4().hex, cache_salt=salt,
+                                            mm_inputs=mm_inputs)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except EngineOverloadedError as e:
@@ -329,14 +334,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         authorize(request)
         body = await read_body(request, ChatCompletionRequest, max_body_bytes)
         check_model(body.model)
+        mm: list[MMInput] = []
         try:
             params = body.to_sampling_params()
-            ids = await asyncio.to_thread(engine.engine.apply_chat_template, body.chat_messages())
+            if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them
+                ids, mm = await asyncio.to_thread(chat_with_images, engine.engine, body.messages, media, model_name)
+            else:
+                ids = await asyncio.to_thread(engine.engine.apply_chat_template, body.chat_messages())
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        stream = await start(ids, params, body.cache_salt)
+        stream = await start(ids, params, body.cache_salt, mm)
         rid = f"chatcmpl-{stream.request_id}"
 
         def chunk(text: str, out: RequestOutput | None, final: bool, delta: dict[str, Any] | None = None

@@ -87,15 +87,29 @@ class ContentPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: StrictStr  # a data: URL (or file:// under --allowed-local-media-path); see kvpool.server.media
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ChatContentPart = Annotated[ContentPart | ImageURLPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[ContentPart] | None = None
+    content: StrictStr | list[ChatContentPart] | None = None
 
     def text(self) -> str:
+        """The message's text (image parts left out)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, ContentPart))
         return self.content or ""
 
 
