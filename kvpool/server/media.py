@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.runner.multimodal import MMInput
-from kvpool.server.protocol import ChatMessage, ContentPart, ImageURLPart
+from kvpool.server.protocol import ChatMessage
 
 # Formats a client may send (what OpenAI's API takes, plus BMP); Pillow reads more, but each decoder is attack
 # surface that vision models' users do not need.
@@ -56,7 +56,7 @@ def image_parts(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             for j, p in enumerate(m.content):
-                if isinstance(p, ImageURLPart):
+                if p.type == "image_url" and p.image_url is not None:
                     out.append((f"messages[{i}].content[{j}].image_url", p.image_url.url))
     return out
 
@@ -71,8 +71,9 @@ def _read_data_url(url: str, where: str, opts: MediaOptions) -> bytes:
     if media_type and not media_type.lower().startswith("image/"):
         raise ValueError(f"{where}: media type {media_type!r} is not an image type")
     data = "".join(data.split())  # line breaks are common in pasted base64
-    if len(data) // 4 * 3 > opts.max_image_bytes + 2:  # refused before decoding
-        raise ValueError(f"{where}: the image is over the limit of {opts.max_image_bytes} bytes "
+    size = len(data) * 3 // 4 - data[-2:].count("=")  # the decoded size, known before decoding
+    if size > opts.max_image_bytes:
+        raise ValueError(f"{where}: the image is {size} bytes, over the limit of {opts.max_image_bytes} "
                          f"(--max-image-bytes)")
     try:
         return base64.b64decode(data, validate=True)
@@ -162,13 +163,13 @@ def _template_messages(messages: Sequence[ChatMessage], image_token: str | None)
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         parts = m.content if isinstance(m.content, list) else None
-        if parts is None or not any(isinstance(p, ImageURLPart) for p in parts):
+        if parts is None or not any(p.type == "image_url" for p in parts):
             out.append({"role": role, "content": m.text()})
         elif image_token is None:
-            out.append({"role": role, "content": [{"type": "text", "text": p.text} if isinstance(p, ContentPart)
+            out.append({"role": role, "content": [{"type": "text", "text": p.text} if p.type == "text"
                                                   else {"type": "image"} for p in parts]})
         else:
-            out.append({"role": role, "content": "".join(p.text if isinstance(p, ContentPart) else image_token
+            out.append({"role": role, "content": "".join(p.text or "" if p.type == "text" else image_token
                                                          for p in parts)})
     return out
 
