@@ -213,9 +213,10 @@ def build_requests(a: argparse.Namespace) -> list[BenchRequest]:
         _need(min(w, h) >= 1 and w * h <= 4096 * 4096, "images_width", f"need 1 <= width, height and width x "
               f"height <= 4096 x 4096, got {w} x {h}")
         _need(a.images_output_len >= 1, "images_output_len", f"must be >= 1, got {a.images_output_len}")
-        urls = [random_png_url(rng, w, h) for _ in range(k)]
-        picks = rng.integers(0, k, size=n)
-        return [BenchRequest([], a.images_output_len, urls[int(i)], a.images_prompt) for i in picks]
+        picks = [int(i) for i in rng.integers(0, k, size=n)]
+        # Picture i comes from its own seeded stream: the same picture whatever n and k, made only if drawn.
+        urls = {i: random_png_url(np.random.default_rng([a.seed, 2, i]), w, h) for i in sorted(set(picks))}
+        return [BenchRequest([], a.images_output_len, urls[i], a.images_prompt) for i in picks]
     raise ValueError(f"dataset_name: unknown dataset {a.dataset_name!r}")
 
 
