@@ -198,11 +198,16 @@ def chat_with_images(engine: Any, messages: Sequence[ChatMessage], opts: MediaOp
             raise ValueError(f"{where}: {e}") from None
     try:
         ids = engine.apply_chat_template(_template_messages(messages, None))
-        if ids.count(images.image_token_id) != len(parts):
-            # A template that renders only string contents: put the image token's text in place of each image.
-            ids = engine.apply_chat_template(_template_messages(messages, images.image_token))
     except ValueError:
         raise
-    except Exception as e:  # the template refused the conversation (e.g. roles out of order)
-        raise ValueError(f"messages: the chat template refused them: {e}") from None
+    except Exception:  # e.g. a template that concatenates contents as strings; try that form below
+        ids = None
+    if ids is None or ids.count(images.image_token_id) != len(parts):
+        # A template that renders only string contents: put the image token's text in place of each image.
+        try:
+            ids = engine.apply_chat_template(_template_messages(messages, images.image_token))
+        except ValueError:
+            raise
+        except Exception as e:  # the template refused the conversation (e.g. roles out of order)
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
     return ids, mm

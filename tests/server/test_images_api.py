@@ -173,6 +173,37 @@ def test_same_image_twice_runs_the_encoder_once_and_hits_the_prefix_cache(vis: S
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_cache_salt_isolates_the_encoder_cache(vis: ServerHandle) -> None:
+    eng = vis.engine.engine
+    url = data_url(picture(12))
+    runs = eng.cross.encoder_runs
+
+    def send(salt: str | None) -> tuple[int, int]:
+        body = chat(url, max_tokens=1) | ({"cache_salt": salt} if salt else {})
+        r = post(vis, body)
+        assert r.status_code == 200, r.text
+        return eng.cross.encoder_runs - runs, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    a1, a2, b, none = send("tenant-a"), send("tenant-a"), send("tenant-b"), send(None)
+    # Within a salt the picture is encoded once and the prompt's blocks are shared; across salts (and without
+    # one) neither: a tenant cannot tell from timing that another sent this picture.
+    assert [a1[0], a2[0], b[0], none[0]] == [1, 1, 2, 3]
+    assert a1[1] == 0 and a2[1] > 0 and b[1] == 0 and none[1] == 0
+
+
+def test_a_template_that_takes_only_strings_gets_the_image_token_in_the_text(chat_mllama_dir: Path,
+                                                                            smol_dir: Path) -> None:
+    from kvpool.server.media import chat_with_images
+    from kvpool.server.protocol import ChatCompletionRequest
+
+    eng = make_engine(chat_mllama_dir, block_size=BS)
+    eng.tokenizer.chat_template = (smol_dir / "chat_template.jinja").read_text()  # renders content as a string
+    body = ChatCompletionRequest.model_validate(chat(data_url(picture(1)), text="Hi there"))
+    ids, mm = chat_with_images(eng, body.messages, MediaOptions(), "vis")
+    assert len(mm) == 1 and ids.count(eng.images.image_token_id) == 1
+    assert ids == eng.apply_chat_template([{"role": "user", "content": "<|image|>Hi there"}])
+
+
 def test_file_url_under_the_allowed_path(vis: ServerHandle, media_dir: Path) -> None:
     by_file = post(vis, chat((media_dir / "cat.png").as_uri()))
     inline = post(vis, chat(data_url(picture(7))))
@@ -228,6 +259,8 @@ BAD = [
      f"{P0}: '/etc/hostname' is outside the allowed local media path"),
     ("no such file", chat("file:///MEDIA/none.png"), P0, f"{P0}: no such file"),
     ("escaping ..", chat("file:///MEDIA/../x.png"), P0, "x.png' is outside the allowed local media path"),
+    ("the image token typed in the text too", chat(data_url(picture(1)), text="<|image|> twice?"), "mm_inputs",
+     "mm_inputs: the prompt must hold the image token (id 49152) exactly once for its image; found it 2 times"),
     ("unknown part", {"model": "vis", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
      "messages.0.content", "messages.0.content: Input should be a valid string / 0.type: Input should be 'text' or "
      "'image_url'"),
