@@ -173,6 +173,21 @@ def test_same_image_twice_runs_the_encoder_once_and_hits_the_prefix_cache(vis: S
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_the_openai_client_sends_images(vis: ServerHandle) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{vis.url}/v1", api_key="unused", max_retries=0)
+    url = data_url(picture(4))
+    r = client.chat.completions.create(model="vis", max_tokens=N_OUT, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+                                     {"type": "text", "text": "What is in this picture?"}]}])
+    assert r.choices[0].message.content == post(vis, chat(url)).json()["choices"][0]["message"]["content"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="vis", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+    assert e.value.status_code == 400 and "cannot be fetched" in e.value.message
+
+
 def test_cache_salt_isolates_the_encoder_cache(vis: ServerHandle) -> None:
     eng = vis.engine.engine
     url = data_url(picture(12))
