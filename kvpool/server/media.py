@@ -182,7 +182,7 @@ def chat_with_images(engine: Any, messages: Sequence[ChatMessage], opts: MediaOp
     images = engine.images
     if images is None:
         where = parts[0][0]
-        if engine.cross is not None:
+        if engine.cross is not None or engine.mm.encoder is not None:  # (the latter: an omni thinker's tower)
             raise ValueError(f"{where}: the model `{model_name}` has no image processor "
                              f"(preprocessor_config.json); pass preprocessed images through the Python API")
         raise ValueError(f"{where}: the model `{model_name}` does not take images")

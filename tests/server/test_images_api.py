@@ -336,3 +336,18 @@ def test_file_urls_are_refused_without_an_allowed_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^x: '.*/a\.png' is outside the allowed local media path"):
         read_image_bytes((allowed / "link.png").as_uri(), "x", MediaOptions(allowed))
     assert read_image_bytes(f.as_uri(), "x", MediaOptions(tmp_path)) == picture(1)
+
+
+def test_an_engine_with_a_vision_tower_but_no_image_processor(chat_llama_dir: Path) -> None:
+    # The omni pipeline's thinker takes images as tensors (a seeded tower, no transformers processor): over HTTP
+    # it says so rather than that the model takes no images.
+    from kvpool.runner.vision import TinyVisionEncoder
+    from kvpool.server.media import chat_with_images
+    from kvpool.server.protocol import ChatCompletionRequest
+
+    eng = make_engine(chat_llama_dir, vision_encoder=TinyVisionEncoder(out_dim=64), num_blocks=32)
+    body = ChatCompletionRequest.model_validate(chat(data_url(picture(1))))
+    with pytest.raises(ValueError) as e:
+        chat_with_images(eng, body.messages, MediaOptions(), "omni")
+    assert str(e.value) == (f"{P0}: the model `omni` has no image processor (preprocessor_config.json); pass "
+                            "preprocessed images through the Python API")
