@@ -30,10 +30,11 @@ from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
+from kvpool.runner.image_inputs import ImageInputs
 from kvpool.runner.mllama import MllamaForConditionalGeneration, MllamaInputs
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
-from kvpool.runner.multimodal import MMInput, MultiModalProcessor, PlacedInput
+from kvpool.runner.multimodal import MMInput, MultiModalProcessor, PlacedInput, salted_item
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,10 @@ class LLMEngine:
         # Cross-attention models read their images through cross-attention layers, not placeholder embeddings.
         self.cross = (MllamaInputs(self.runner.model, self.mm.cache)
                       if isinstance(self.runner.model, MllamaForConditionalGeneration) else None)
+        # Pictures (decoded, e.g. by the HTTP server) into mm_inputs by the model's own image processor;
+        # None: this engine takes no images, or only preprocessed ones through the Python API.
+        self.images = (ImageInputs.load(self.model_dir, self.cross.arch.image_token_id, self.tokenizer)
+                       if self.cross is not None else None)
         self.stage_outputs = (StageOutputCollector(self.runner.stage_cache, lambda rid: self.kv.get_block_ids(rid)[0])
                               if config.stage_outputs else None)
         # The store tier below the host tier (kvpool.store): reads while a request waits, write-through
@@ -229,6 +234,12 @@ class LLMEngine:
                 raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
             placed = self.mm.prepare(mm_inputs, len(ids))
             mm_items = [p.item for p in placed]
+        if cache_salt is not None and (image is not None or placed):
+            # The encoder cache is keyed by the inputs' hashes: salted, one tenant's image never serves another's
+            # (no timing probe through the encoder cache, as none through the prefix cache).
+            for x in [image, *placed] if image is not None else placed:
+                x.item = salted_item(x.item, cache_salt)
+            mm_items = [image.item] if image is not None else [p.item for p in placed]
         req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
                       cache_salt=cache_salt, prompt=text,

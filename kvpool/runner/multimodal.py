@@ -66,6 +66,12 @@ def content_hash(kind: str, t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def salted_item(item: MultiModalItem, salt: str) -> MultiModalItem:
+    """The item under a tenant's cache salt: another hash, so caches keyed by it are not shared across salts."""
+    digest = hashlib.sha256(f"salt|{len(salt)}|{salt}|{item.content_hash}".encode()).hexdigest()
+    return MultiModalItem(digest, item.offset, item.length)
+
+
 @dataclass
 class PlacedInput:
     item: MultiModalItem  # content hash, offset, length: what the block hashes see

@@ -20,3 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-replay-endpoint", default=None,
                    help="answer replay requests (vLLM's ROUTER protocol) on this ZeroMQ endpoint")
     g.add_argument("--kv-events-topic", default="kv-events", help="topic frame of each published KV event batch")
+    m = p.add_argument_group("images (chat content parts of type image_url, for models that take images)")
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="allow file:// image URLs, only for files under DIR (default: refused)")
+    m.add_argument("--max-image-bytes", type=int, default=20 << 20,
+                   help="larger images (encoded, after base64 decoding) get HTTP 400")
+    m.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                   help="images with more pixels (width x height) get HTTP 400")
