@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import Words, make_tiny_llama
+from helpers import Words, make_chat_mllama, make_tiny_llama
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -38,3 +38,9 @@ def chat_llama_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> 
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smol_dir / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def chat_mllama_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    """A tiny random-weight Mllama with a tokenizer, a chat template and an image processor: images over HTTP."""
+    return make_chat_mllama(tmp_path_factory.mktemp("tiny-chat-mllama"), smol_dir)

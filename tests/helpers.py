@@ -96,3 +96,44 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                else 0)
             out.append(ids[0][len(p):].tolist())
     return out
+
+
+# A chat template for a vision model in the style of Llama 3.2 Vision's: content is a string, or a list of
+# {"type": "image"} / {"type": "text"} parts, each image rendered as the image token.
+MLLAMA_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['content'] is string -%}{{ m['content'] }}{%- else -%}{%- for p in m['content'] -%}"
+    "{%- if p['type'] == 'image' -%}<|image|>{%- elif p['type'] == 'text' -%}{{ p['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+def make_chat_mllama(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random-weight Mllama (Llama 3.2 Vision) served like a real one: SmolLM2's tokenizer plus the
+    <|image|> token (id 49152, the first row past the text vocabulary, as in Llama 3.2 Vision), a chat template
+    that places it, and transformers' `MllamaImageProcessor` for 8x8 tiles (up to 4) in the folder."""
+    from transformers import AutoTokenizer, MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["<|image|>"]})
+    image_token = tok.convert_tokens_to_ids("<|image|>")
+    tok.chat_template = MLLAMA_CHAT_TEMPLATE
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=8, patch_size=4, max_num_tiles=4, intermediate_layers_indices=[0, 1],
+                  vision_output_dim=96, initializer_range=0.05)
+    # pad (image token + 1) never appears in a prompt (transformers would mask a pad token found in one).
+    text = dict(vocab_size=image_token, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1], max_position_embeddings=512,
+                initializer_range=0.3, bos_token_id=tok.bos_token_id, eos_token_id=None, pad_token_id=image_token + 1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = MllamaForConditionalGeneration(MllamaConfig(vision_config=vision, text_config=text,
+                                                        image_token_index=image_token))
+    with torch.no_grad():  # the gates start at 0, which would hide the image from the text
+        for name, p in model.named_parameters():
+            if "gate" in name and p.numel() == 1:
+                p.uniform_(0.1, 0.3)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    MllamaImageProcessorPil(size={"height": 8, "width": 8}, max_image_tiles=4).save_pretrained(path)
+    return path

@@ -81,6 +81,13 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
         kw["write_through"] = name.endswith("write-through")
     llm = LLM(**kw)
     eng = llm.engine
+    if roomy and eng.kv.num_groups > 1:
+        # The working set counts one block per 16 tokens, but on the hybrid allocator every group takes
+        # its own block ids from the one pool: the ceiling needs room for each group to keep everything.
+        kw["num_blocks"] *= eng.kv.num_groups
+        del llm, eng
+        llm = LLM(**kw)
+        eng = llm.engine
     history = [list(system) for _ in convs]
     turn = [0] * len(convs)
     sent: dict[str, tuple[int, int, float]] = {}

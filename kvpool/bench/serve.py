@@ -1,6 +1,7 @@
 """`kvpool bench serve`: a load generator for OpenAI-compatible servers (kvpool's own, or vLLM's).
 
-Sends token-id prompts to `/v1/completions` with streaming, at Poisson arrival times (`--request-rate`,
+Sends token-id prompts to `/v1/completions` with streaming (the `images` dataset: chats with one picture
+each, as a PNG data URL, to `/v1/chat/completions`), at Poisson arrival times (`--request-rate`,
 `inf` sends everything at once) under an optional `--max-concurrency`, and reports request throughput,
 output and total tokens/s, TTFT / TPOT / ITL / end-to-end latency (mean, median, p99) and the server's
 prefix-cache hit rate over the run (the delta of its /metrics counters). The flags follow
@@ -30,7 +31,7 @@ from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import generated_shared_prefix, load_trace
 
 MAX_NUM_PROMPTS = 10_000
-DATASETS = ("random", "prefix-repetition", "shared-prefix", "trace")
+DATASETS = ("random", "prefix-repetition", "shared-prefix", "trace", "images")
 # Counter names of the server's prefix cache, in tokens; vLLM exports the same under its own prefix.
 METRIC_PREFIXES = ("kvpool:", "vllm:")
 
@@ -39,6 +40,8 @@ METRIC_PREFIXES = ("kvpool:", "vllm:")
 class BenchRequest:
     prompt: list[int]
     output_len: int
+    image_url: str | None = None  # a chat request: this picture (a data URL), then `text`
+    text: str = ""
 
 
 @dataclass
@@ -94,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-system-prompt-len", type=int, default=1024)
     g.add_argument("--gsp-question-len", type=int, default=64)
     g.add_argument("--gsp-output-len", type=int, default=32)
+    g.add_argument("--images-num-unique", type=int, default=4,
+                   help="images: distinct random PNGs; requests draw from them, so pictures repeat (encoder and "
+                        "prefix caches) when there are more requests than pictures")
+    g.add_argument("--images-width", type=int, default=256)
+    g.add_argument("--images-height", type=int, default=256)
+    g.add_argument("--images-prompt", default="Describe this image.", help="images: the text after the picture")
+    g.add_argument("--images-output-len", type=int, default=32)
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g.add_argument("--save-result", action="store_true", help="also write the JSON result to a file")
@@ -196,7 +206,30 @@ def build_requests(a: argparse.Namespace) -> list[BenchRequest]:
             _need(len(r["prompt"]) >= 1 and len(r["decode"]) >= 1, "dataset_path",
                   f"request {r['id']!r} has an empty prompt or decode")
         return [BenchRequest(list(r["prompt"]), len(r["decode"])) for r in trace]
+    if a.dataset_name == "images":
+        n = 100 if n is None else n
+        k, w, h = a.images_num_unique, a.images_width, a.images_height
+        _need(k >= 1, "images_num_unique", f"must be >= 1, got {k}")
+        _need(min(w, h) >= 1 and w * h <= 4096 * 4096, "images_width", f"need 1 <= width, height and width x "
+              f"height <= 4096 x 4096, got {w} x {h}")
+        _need(a.images_output_len >= 1, "images_output_len", f"must be >= 1, got {a.images_output_len}")
+        picks = [int(i) for i in rng.integers(0, k, size=n)]
+        # Picture i comes from its own seeded stream: the same picture whatever n and k, made only if drawn.
+        urls = {i: random_png_url(np.random.default_rng([a.seed, 2, i]), w, h) for i in sorted(set(picks))}
+        return [BenchRequest([], a.images_output_len, urls[i], a.images_prompt) for i in picks]
     raise ValueError(f"dataset_name: unknown dataset {a.dataset_name!r}")
+
+
+def random_png_url(rng: np.random.Generator, width: int, height: int) -> str:
+    """A random-noise RGB picture as a PNG data URL (noise: PNG cannot shrink it, so sizes are honest)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> np.ndarray:
@@ -260,8 +293,13 @@ def _error_text(status: int, body: bytes) -> str:
 async def _send(client: Any, url: str, model: str, req: BenchRequest, ignore_eos: bool) -> RequestResult:
     import httpx
 
-    payload: dict[str, Any] = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
-                               "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    payload: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if req.image_url is not None:
+        payload["messages"] = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": req.image_url}},
+                                                           {"type": "text", "text": req.text}]}]
+    else:
+        payload["prompt"] = req.prompt
     if ignore_eos:
         payload["ignore_eos"] = True
     res = RequestResult(prompt_len=len(req.prompt))
@@ -287,7 +325,8 @@ async def _send(client: Any, url: str, model: str, req: BenchRequest, ignore_eos
                     res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                     return res
                 now = time.perf_counter()
-                if obj.get("choices"):
+                # A chat stream opens with a chunk holding only the role: no token yet, so no TTFT.
+                if obj.get("choices") and obj["choices"][0].get("delta", {}).get("role") is None:
                     if chunks == 0:
                         res.ttft = now - st
                     else:
@@ -432,13 +471,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _need(a.endpoint.startswith("/"), "endpoint", f"must start with '/', got {a.endpoint!r}")
     reqs = build_requests(a)
+    endpoint = a.endpoint
+    if a.dataset_name == "images" and endpoint == "/v1/completions":
+        endpoint = "/v1/chat/completions"  # pictures travel in chat content parts
     offsets = arrival_offsets(len(reqs), a.request_rate, a.seed, a.burstiness)
-    out = asyncio.run(run_benchmark(base, a.endpoint, a.model, reqs, offsets, a.max_concurrency, a.max_duration,
+    out = asyncio.run(run_benchmark(base, endpoint, a.model, reqs, offsets, a.max_concurrency, a.max_duration,
                                     a.ignore_eos))
     res = summarize(out["results"], out["duration"], out["metrics_before"], out["metrics_after"],
                     [q.output_len for q in reqs])
     res |= dict(num_prompts=len(reqs), timed_out=out["timed_out"], model=out["model"], base_url=base,
-                endpoint=a.endpoint, dataset_name=a.dataset_name, request_rate=a.request_rate,
+                endpoint=endpoint, dataset_name=a.dataset_name, request_rate=a.request_rate,
                 burstiness=a.burstiness, max_concurrency=a.max_concurrency, seed=a.seed, ignore_eos=a.ignore_eos,
                 date=datetime.now().strftime("%Y%m%d-%H%M%S"))
     # Non-finite floats (--request-rate inf) would make the JSON invalid for strict parsers.

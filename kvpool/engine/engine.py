@@ -33,6 +33,7 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
 from kvpool.engine.stop import Detokenizer, StopChecker
+from kvpool.runner.image_inputs import ImageInputs
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
 from kvpool.runner.multimodal import MMInput
@@ -125,6 +126,10 @@ class LLMEngine:
         # The model's own input processor: placeholder embeddings, or images read by cross-attention layers.
         self.mm = self.runner.make_input_processor(config.vision_encoder,
                                                    parse_size(config.encoder_cache_size, "encoder_cache_size"))
+        # Pictures (decoded, e.g. by the HTTP server) into mm_inputs by the model's own image processor;
+        # None: this engine takes no images, or only preprocessed ones through the Python API.
+        token = getattr(self.mm, "image_token_id", None)
+        self.images = ImageInputs.load(self.model_dir, token, self.tokenizer) if token is not None else None
         self.stage_outputs = StageOutputCollector(self.runner.stage_cache) if config.stage_outputs else None
         # The store tier below the host tier (kvpool.store): reads while a request waits, write-through
         # of sheltered blocks; all of its I/O on its own thread.
@@ -271,7 +276,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
-        prepared = self.mm.prepare_request(ids, mm_inputs, mm_items)
+        prepared = self.mm.prepare_request(ids, mm_inputs, mm_items, cache_salt)
         if prepared is not None:
             mm_items = prepared.items
         req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,

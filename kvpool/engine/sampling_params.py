@@ -43,8 +43,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
         if self.n != 1:
             raise ValueError(f"n: only n=1 is supported, got {self.n!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed: must be an int, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(1 << 63) <= self.seed < 1 << 64):
+            # (torch's generators take 64-bit seeds: a larger one would fail on the engine thread)
+            raise ValueError(f"seed: must be an int in [-2**63, 2**64), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):  # type: ignore[union-attr]
             raise ValueError("stop: every stop string must be a non-empty string")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):

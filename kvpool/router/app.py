@@ -36,6 +36,7 @@ from kvpool.core.request import CacheRequest
 from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.subscriber import EventSubscriber
+from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -404,11 +405,9 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         if len(raw) > max_body_bytes:
             return _error(413, f"body: over the limit of {max_body_bytes} bytes")
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            return _error(400, f"body: invalid JSON ({e})")
-        if not isinstance(body, dict):
-            return _error(400, "body: must be a JSON object")
+            body = parse_json_object(raw, request.headers.get("content-type"))
+        except BodyError as e:
+            return _error(400, str(e))
         tokens, salt = await asyncio.to_thread(router.tokens_of, path, body)
         hashes = router.block_hashes(tokens, salt)
         stream = bool(body.get("stream"))

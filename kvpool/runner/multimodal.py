@@ -70,6 +70,12 @@ def content_hash(kind: str, t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def salted_item(item: MultiModalItem, salt: str) -> MultiModalItem:
+    """The item under a tenant's cache salt: another hash, so caches keyed by it are not shared across salts."""
+    digest = hashlib.sha256(f"salt|{len(salt)}|{salt}|{item.content_hash}".encode()).hexdigest()
+    return MultiModalItem(digest, item.offset, item.length)
+
+
 @dataclass
 class PreparedInputs:
     """A request's validated multimodal inputs, as a processor's `prepare_request` returns them."""
@@ -86,8 +92,9 @@ class InputProcessor(Protocol):
     encoder_runs: int
 
     def prepare_request(self, token_ids: Sequence[int], mm_inputs: Sequence[Any],
-                        mm_items: Sequence[MultiModalItem]) -> PreparedInputs | None:
-        """Validate and hash a request's inputs (None when it has none); ValueError naming the field."""
+                        mm_items: Sequence[MultiModalItem], cache_salt: str | None = None) -> PreparedInputs | None:
+        """Validate and hash a request's inputs (None when it has none); ValueError naming the field. Under a
+        `cache_salt` the inputs' hashes are salted (see `salted_item`)."""
         ...
 
     def step_inputs(self, step: Any, num_preemptions: int, prepared: PreparedInputs, start: int, end: int) -> None:
@@ -121,12 +128,17 @@ class MultiModalProcessor:
         self.encoder_runs = 0
 
     def prepare_request(self, token_ids: Sequence[int], mm_inputs: Sequence[MMInput],
-                        mm_items: Sequence[MultiModalItem]) -> PreparedInputs | None:
+                        mm_items: Sequence[MultiModalItem], cache_salt: str | None = None) -> PreparedInputs | None:
         if not mm_inputs:
             return None  # mm_items (hashes only), if any, go to the request as they are
         if mm_items:
             raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
         placed = self.prepare(mm_inputs, len(token_ids))
+        if cache_salt is not None:
+            # The encoder cache is keyed by the inputs' hashes: salted, one tenant's image never serves another's
+            # (no timing probe through the encoder cache, as none through the prefix cache).
+            for p in placed:
+                p.item = salted_item(p.item, cache_salt)
         return PreparedInputs([p.item for p in placed], placed)
 
     def step_inputs(self, step: Any, num_preemptions: int, prepared: PreparedInputs, start: int, end: int) -> None:

@@ -15,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,6 +28,9 @@ from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.multimodal import MMInput
+from kvpool.server.json_body import BodyError, parse_json_object
+from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
 
@@ -66,15 +69,12 @@ async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
         if len(raw) > max_bytes:
             raise APIError(413, f"body: over the limit of {max_bytes} bytes")
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"body: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"body: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "body: must be a JSON object")
+        data = parse_json_object(bytes(raw), request.headers.get("content-type"))
+    except BodyError as e:
+        raise APIError(400, str(e)) from None
     try:
-        return model.model_validate(data)
+        # Strict: a wrong JSON type is an error ("stream": "yes", "seed": "5"), not coerced.
+        return model.model_validate(data, strict=True)
     except ValidationError as e:
         raise _validation_error(e) from None
 
@@ -128,9 +128,10 @@ class _TextDeltas:
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, api_key: str | None = None,
-               max_body_bytes: int = 4 << 20) -> FastAPI:
+               max_body_bytes: int = 4 << 20, media: MediaOptions | None = None) -> FastAPI:
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    media = media or MediaOptions()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -157,9 +158,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise APIError(404, f"model: The model `{name}` does not exist (this server has `{model_name}`)",
                            "model")
 
-    async def start(prompt: str | list[int], params: SamplingParams, salt: str | None) -> RequestStream:
+    async def start(prompt: str | list[int], params: SamplingParams, salt: str | None,
+                    mm_inputs: Sequence[MMInput] = ()) -> RequestStream:
         try:
-            return await engine.add_request(prompt, params, request_id=uuid.uuid4().hex, cache_salt=salt)
+            return await engine.add_request(prompt, params, request_id=uuid.uuid4().hex, cache_salt=salt,
+                                            mm_inputs=mm_inputs)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except EngineOverloadedError as e:
@@ -187,6 +190,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                     raise asyncio.CancelledError
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
+        except ValueError as e:  # refused on the engine thread when queued (e.g. a request id in use)
+            raise APIError.from_value_error(e) from None
         finally:
             if not task.done():
                 task.cancel()
@@ -212,6 +217,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                     yield f"data: {json.dumps(body)}\n\n"
             except EngineDeadError as e:
                 yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[503], 'code': 503}})}\n\n"
+            except ValueError as e:  # refused on the engine thread when queued
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[400], 'code': 400}})}\n\n"
             finally:
                 stream.abort()  # a no-op when finished; frees the blocks when the client left mid-stream
             yield "data: [DONE]\n\n"
@@ -328,14 +335,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         authorize(request)
         body = await read_body(request, ChatCompletionRequest, max_body_bytes)
         check_model(body.model)
+        mm: list[MMInput] = []
         try:
             params = body.to_sampling_params()
-            ids = await engine.apply_chat_template(body.chat_messages())
+            if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them
+                ids, mm = await asyncio.to_thread(chat_with_images, engine.engine, body.messages, media, model_name)
+            else:
+                ids = await engine.apply_chat_template(body.chat_messages())
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        stream = await start(ids, params, body.cache_salt)
+        stream = await start(ids, params, body.cache_salt, mm)
         rid = f"chatcmpl-{stream.request_id}"
 
         def chunk(text: str, out: RequestOutput | None, final: bool, delta: dict[str, Any] | None = None

@@ -26,5 +26,16 @@ class ServerConfig:
     kv_events_topic: str = option("kv-events", "topic frame of each published KV event batch")
 
 
+@dataclass
+class ImageServerConfig:
+    """Images in chat content parts (for models that take images): where they may come from, how large."""
+
+    allowed_local_media_path: str | None = option(None, "allow file:// image URLs, only for files under DIR "
+                                                  "(default: refused)", metavar="DIR")
+    max_image_bytes: int = option(20 << 20, "larger images (encoded, after base64 decoding) get HTTP 400")
+    max_image_pixels: int = option(4096 * 4096, "images with more pixels (width x height) get HTTP 400")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, ServerConfig, "server")
+    add_flags(p, ImageServerConfig, "images (chat content parts of type image_url, for models that take images)")

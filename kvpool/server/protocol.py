@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from kvpool.engine.sampling_params import SamplingParams
 
@@ -82,9 +82,24 @@ class CompletionRequest(_SamplingFields):
         return p  # type: ignore[return-value]
 
 
+class ImageURL(BaseModel):
+    url: StrictStr  # a data: URL (or file:// under --allowed-local-media-path); see kvpool.server.media
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
 class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
+    """A part of a message's content: text, or an image by URL (one model rather than a tagged union, so a
+    field's error names its path, `messages.0.content.1.image_url`, without the tag in it)."""
+
+    type: Literal["text", "image_url"]
+    text: StrictStr | None = None
+    image_url: ImageURL | None = None
+
+    @model_validator(mode="after")
+    def _has_its_field(self) -> ContentPart:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a part of type {self.type!r} needs a {self.type!r} field")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -94,8 +109,9 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[ContentPart] | None = None
 
     def text(self) -> str:
+        """The message's text (image parts left out)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
 
 

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -19,6 +20,7 @@ from kvpool.engine.async_engine import AsyncEngine
 from kvpool.engine.engine import LLMEngine
 from kvpool.server.app import create_app
 from kvpool.server.kv_events import KVEventPublisher
+from kvpool.server.media import MediaOptions
 from kvpool.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class ServerHandle:
 def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
           max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None,
           kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
-          ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
+          media: MediaOptions | None = None) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
     name = served_model_name or engine.model_dir.name
     async_engine = AsyncEngine(engine, max_pending=max_pending)
     metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
@@ -61,7 +63,8 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
                                      replay_endpoint=kv_events_replay_endpoint)
         publisher.bind()
         async_engine.add_listener(publisher.observe)
-    app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
+                     media=media)
     return app, async_engine, metrics, publisher
 
 
@@ -82,7 +85,18 @@ def start_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 0, *
     return ServerHandle(f"http://{host}:{bound}", async_engine, metrics, server, thread, publisher)
 
 
+def media_options(args: argparse.Namespace) -> MediaOptions:
+    root = args.allowed_local_media_path
+    if root is not None and not Path(root).is_dir():
+        raise ValueError(f"--allowed-local-media-path: {root!r} is not a directory")
+    for name in ("max_image_bytes", "max_image_pixels"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    return MediaOptions(Path(root) if root is not None else None, args.max_image_bytes, args.max_image_pixels)
+
+
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+    media = media_options(args)  # checked before the model loads
     if args.kv_events_endpoint:
         engine_kwargs = dict(engine_kwargs, enable_kv_events=True)
     engine = LLMEngine(**engine_kwargs)
@@ -90,7 +104,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                                             max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
                                             kv_events_endpoint=args.kv_events_endpoint,
                                             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-                                            kv_events_topic=args.kv_events_topic)
+                                            kv_events_topic=args.kv_events_topic, media=media)
     async_engine.start()
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host, args.port,
              engine.stats().num_blocks, engine.config.block_size)

@@ -43,7 +43,7 @@ from kvpool.runner.models.llama import (
     load_param,
 )
 from kvpool.runner.models.registry import register_model
-from kvpool.runner.multimodal import PreparedInputs, TiledImageInput, content_hash
+from kvpool.runner.multimodal import PreparedInputs, TiledImageInput, content_hash, salted_item
 
 # Rows of the embedding table past the text vocabulary: <|image|> and other special tokens (transformers: +8).
 EXTRA_EMBEDDINGS = 8
@@ -398,13 +398,20 @@ class MllamaInputs:
         return PlacedImage(MultiModalItem(digest, 0, 1), pixels, int(ar_id), mask, at[0], a.num_encoder_tokens,
                            num_tiles * a.num_patches)
 
+    @property
+    def image_token_id(self) -> int:
+        """The prompt token that marks the image's place (for kvpool.runner.image_inputs)."""
+        return self.arch.image_token_id
+
     def prepare_request(self, token_ids: Sequence[int], mm_inputs: Sequence[Any],
-                        mm_items: Sequence[MultiModalItem]) -> PreparedInputs | None:
+                        mm_items: Sequence[MultiModalItem], cache_salt: str | None = None) -> PreparedInputs | None:
         """`prepare` as an `InputProcessor`: the image's item keys the blocks; its encoder tokens size the
         request's cross-attention block tables."""
         if mm_items:
             raise ValueError("mm_items: a cross-attention model needs the image itself (mm_inputs)")
         image = self.prepare(mm_inputs, token_ids)
+        if image is not None and cache_salt is not None:
+            image.item = salted_item(image.item, cache_salt)  # (salted as MultiModalProcessor does)
         return PreparedInputs([image.item], image, image.num_tokens) if image is not None else None
 
     def step_inputs(self, step: Any, num_preemptions: int, prepared: PreparedInputs, start: int, end: int) -> None:
