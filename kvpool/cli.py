@@ -42,6 +42,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep every layer's blocks as full attention does (the uniform allocator, to compare)")
     g.add_argument("--no-native-kernels", action="store_true",
                    help="decode attention through torch ops, not kvpool's compiled CPU kernel")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (see --lora-modules)")
+    g.add_argument("--max-loras", type=int, default=1, help="LoRA adapters that run at once (in one batch)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank accepted")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -52,7 +55,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 host_eviction=a.host_eviction, write_through=a.write_through, kv_store=a.kv_store,
                 kv_store_deadline_s=a.kv_store_deadline, state_retention_tokens=a.state_retention_tokens,
                 eviction_policy=a.eviction_policy,
-                hybrid_allocator=not a.no_hybrid_allocator, native_kernels=not a.no_native_kernels)
+                hybrid_allocator=not a.no_hybrid_allocator, native_kernels=not a.no_native_kernels,
+                enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None)), max_loras=a.max_loras,
+                max_lora_rank=a.max_lora_rank)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from kvpool.core.events import KVCacheEvent
 from kvpool.engine.engine import LLMEngine
+from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 
@@ -153,7 +154,7 @@ class AsyncEngine:
     # -- caller side (any thread with a running event loop) --------------------------------------------
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
         Raises ValueError for bad input (nothing is queued), EngineOverloadedError when `max_pending`
@@ -162,7 +163,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         req = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id=request_id,
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, lora_request=lora_request)
         with self._pending_lock:
             if self._pending >= self.max_pending:
                 raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")

@@ -69,6 +69,11 @@ class EngineConfig:
     # Decode attention through kvpool's compiled CPU kernel (kvpool.runner.kernels) when it builds here;
     # False keeps to torch ops (also: KVPOOL_KERNELS=0).
     native_kernels: bool = True
+    # LoRA adapters (kvpool.runner.lora): requests name one with a LoRARequest; at most `max_loras`
+    # distinct adapters run at once, each of rank <= `max_lora_rank` (smaller ones are zero-padded to it).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

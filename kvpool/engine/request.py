@@ -70,6 +70,7 @@ class Request(CacheRequest):
         self.output_text = ""
         self.mm_placed: list[Any] = []  # multimodal inputs placed in the prompt (kvpool.runner.multimodal)
         self.cross_image: Any = None  # a cross-attention model's image (kvpool.runner.mllama.PlacedImage)
+        self.lora_name: str | None = None  # the LoRA adapter it runs with (kvpool.engine.lora_request)
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)

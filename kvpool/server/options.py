@@ -20,3 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-replay-endpoint", default=None,
                    help="answer replay requests (vLLM's ROUTER protocol) on this ZeroMQ endpoint")
     g.add_argument("--kv-events-topic", default="kv-events", help="topic frame of each published KV event batch")
+    lg = p.add_argument_group("LoRA adapters")
+    lg.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="serve these PEFT adapters; a request's `model` names one (or the base model); also "
+                         "vLLM's JSON form '{\"name\": ..., \"path\": ...}'. Implies --enable-lora")
