@@ -17,4 +17,8 @@ def __getattr__(name: str) -> object:
         from kvpool.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from kvpool.engine.lora_request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

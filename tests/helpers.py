@@ -137,3 +137,38 @@ def make_chat_mllama(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     tok.save_pretrained(path)
     MllamaImageProcessorPil(size={"height": 8, "width": 8}, max_image_tiles=4).save_pretrained(path)
     return path
+def make_peft_adapter(base_dir: Path, path: Path, *, r: int, targets: str | list[str], seed: int,
+                      alpha: int | None = None, **cfg: object) -> Path:
+    """A LoRA adapter made and saved by peft itself, with random A and B (init_lora_weights=False), so
+    it changes the model's tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha if alpha is not None else 2 * r,
+                                                  target_modules=targets, init_lora_weights=False, **cfg))
+    peft_model.save_pretrained(str(path))
+    return path
+
+
+def peft_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]], max_new_tokens: int
+                ) -> list[list[int]]:
+    """The reference with an adapter: transformers + PeftModel.from_pretrained, greedy, fp32, one prompt at
+    a time (None: the base model alone)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    if adapter is not None:
+        ref = PeftModel.from_pretrained(ref, str(adapter))
+    ref.eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            # Every position attended (no mask guessed from a pad id that a prompt may contain), no EOS.
+            x = torch.tensor([p])
+            ids = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                               min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+            out.append(ids[0][len(p):].tolist())
+    return out

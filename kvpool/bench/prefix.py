@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -33,7 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=1, help="timed runs per system (medians reported)")
     p.add_argument("--systems", default="kvpool,kvpool-no-cache,transformers",
                    help="comma-separated: kvpool, kvpool-no-cache, kvpool-full-attention (hybrid models: every "
-                        "layer kept as full attention), transformers")
+                        "layer kept as full attention), kvpool-lora (group g's requests run with LoRA adapter "
+                        "g mod --lora: several adapters in every batch), transformers")
+    p.add_argument("--lora", type=int, default=4, help="kvpool-lora: random LoRA adapters (all linear layers)")
+    p.add_argument("--lora-rank", type=int, default=16, help="kvpool-lora: their rank")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--workload-out", help="write the workload (token ids) as JSON for vllm-cpu/run.sh")
     p.add_argument("--json", action="store_true")
@@ -50,25 +54,35 @@ def _summary(wall: float, ttfts: list[float], n_out: int, n_prompt: int, hit_rat
                 ttft_p99_ms=1e3 * _pct(ttfts, 0.99), hit_rate=hit_rate)
 
 
-def run_kvpool(prompts: list[list[int]], out_len: int, caching: bool, runs: int, engine_kw: dict[str, Any]
-               ) -> tuple[dict[str, float], list[list[int]]]:
-    from kvpool.engine.llm import LLM
-    from kvpool.engine.sampling_params import SamplingParams
+class KVPoolSession:
+    """One engine for the workload: built and warmed once, then timed run after run."""
 
-    llm = LLM(**{**engine_kw, "enable_prefix_caching": caching})
-    log.info("%s allocator: %d KV blocks; %d requests of full length fit while decoding",
-             "hybrid" if llm.engine.config.hybrid_allocator else "uniform", llm.engine.runner.num_blocks,
-             _requests_that_fit(llm, prompts, out_len))
-    sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    llm.generate([p[:64] for p in prompts[:4]], sp, use_tqdm=False)  # warm-up: first-call costs
-    results = []
-    tokens: list[list[int]] = []
-    for _ in range(runs):
+    def __init__(self, prompts: list[list[int]], out_len: int, caching: bool, engine_kw: dict[str, Any],
+                 loras: list[Any] | None = None) -> None:
+        """`loras`: each prompt's LoRARequest (None: the base model)."""
+        from kvpool.engine.llm import LLM
+        from kvpool.engine.sampling_params import SamplingParams
+
+        self.prompts, self.loras = prompts, loras
+        self.llm = llm = LLM(**{**engine_kw, "enable_prefix_caching": caching})
+        for lora in {x.lora_name: x for x in loras or () if x is not None}.values():
+            llm.engine.add_lora(lora)
+        log.info("%s allocator: %d KV blocks; %d requests of full length fit while decoding",
+                 "hybrid" if llm.engine.config.hybrid_allocator else "uniform", llm.engine.runner.num_blocks,
+                 _requests_that_fit(llm, prompts, out_len))
+        self.sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        llm.generate([p[:64] for p in prompts[:4]], self.sp, use_tqdm=False,  # warm-up: first-call costs
+                     lora_request=loras[:4] if loras else None)
+        self.results: list[dict[str, float]] = []
+        self.tokens: list[list[int]] = []
+
+    def run(self) -> None:
+        llm, prompts = self.llm, self.prompts
         llm.engine.kv.reset_prefix_cache()
         stats0 = (llm.engine.kv.stats.queries, llm.engine.kv.stats.hits)
         t0 = time.perf_counter()
         wall_t0 = time.time()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        outs = llm.generate(prompts, self.sp, use_tqdm=False, lora_request=self.loras)
         wall = time.perf_counter() - t0
         q = llm.engine.kv.stats.queries - stats0[0]
         h = llm.engine.kv.stats.hits - stats0[1]
@@ -81,9 +95,19 @@ def run_kvpool(prompts: list[list[int]], out_len: int, caching: bool, runs: int,
         summary = _summary(wall, ttfts, sum(len(o.token_ids) for o in outs), n_prompt,
                            sum(o.num_cached_tokens for o in outs) / n_prompt)
         summary["lookup_hit_rate"] = h / q if q else 0.0
-        results.append(summary)
-        tokens = [o.token_ids for o in outs]
-    return _median(results), tokens
+        self.results.append(summary)
+        self.tokens = [o.token_ids for o in outs]
+
+    def summary(self) -> tuple[dict[str, float], list[list[int]]]:
+        return _median(self.results), self.tokens
+
+
+def run_kvpool(prompts: list[list[int]], out_len: int, caching: bool, runs: int, engine_kw: dict[str, Any],
+               loras: list[Any] | None = None) -> tuple[dict[str, float], list[list[int]]]:
+    session = KVPoolSession(prompts, out_len, caching, engine_kw, loras)
+    for _ in range(runs):
+        session.run()
+    return session.summary()
 
 
 def run_transformers(prompts: list[list[int]], out_len: int, batch: int, dtype: str, model: str | None
@@ -139,6 +163,26 @@ def _median(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
+def lora_requests(a: argparse.Namespace, model: str | None, folder: str) -> list[Any]:
+    """`a.lora` random adapters of the model, written under `folder`; prompt i (of group i // questions)
+    gets adapter (group mod a.lora), so each group's shared prefix stays within one adapter."""
+    from kvpool.engine.lora_request import LoRARequest
+    from kvpool.runner.lora import write_random_adapter
+    from kvpool.runner.model_files import resolve_model
+
+    if a.lora < 1:
+        raise ValueError(f"lora: kvpool-lora needs at least one adapter, got {a.lora}")
+    path = resolve_model(model)
+    adapters = [LoRARequest(f"bench-{i}", i + 1, str(write_random_adapter(f"{folder}/bench-{i}", path, rank=a.lora_rank,
+                                                                          seed=i)))
+                for i in range(a.lora)]
+    return [adapters[(i // a.questions) % a.lora] for i in range(a.groups * a.questions)]
+
+
+def _lora_engine_kw(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict[str, Any]:
+    return {**engine_kw, "enable_lora": True, "max_loras": a.lora, "max_lora_rank": a.lora_rank}
+
+
 def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     prompts = generated_shared_prefix(a.groups, a.system_len, a.questions, a.question_len, seed=a.seed,
                                       shared=not a.unique)
@@ -148,12 +192,31 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     systems: dict[str, dict[str, float]] = {}
     outputs: dict[str, list[list[int]]] = {}
     wanted = [s.strip() for s in a.systems.split(",") if s.strip()]
+    paired = "kvpool" in wanted and "kvpool-lora" in wanted
+    if paired:
+        # Compared run for run: the two engines alternate, so a machine whose load drifts weighs on both alike.
+        wanted = [n for n in wanted if n != "kvpool-lora"]
     for name in wanted:
-        if name == "kvpool":
+        if name == "kvpool" and paired:
+            with tempfile.TemporaryDirectory(prefix="kvpool-lora-") as folder:
+                pair = [KVPoolSession(prompts, a.output_len, True, engine_kw),
+                        KVPoolSession(prompts, a.output_len, True, _lora_engine_kw(a, engine_kw),
+                                      lora_requests(a, engine_kw.get("model"), folder))]
+                for _ in range(a.runs):
+                    for session in pair:
+                        session.run()
+            systems["kvpool"], outputs["kvpool"] = pair[0].summary()
+            systems["kvpool-lora"], outputs["kvpool-lora"] = pair[1].summary()
+        elif name == "kvpool":
             systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs, engine_kw)
         elif name == "kvpool-full-attention":  # the uniform allocator: sliding layers keep every block
             systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs,
                                                       {**engine_kw, "hybrid_allocator": False})
+        elif name == "kvpool-lora":
+            with tempfile.TemporaryDirectory(prefix="kvpool-lora-") as folder:
+                loras = lora_requests(a, engine_kw.get("model"), folder)
+                systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs,
+                                                          _lora_engine_kw(a, engine_kw), loras)
         elif name == "kvpool-no-cache":
             systems[name], outputs[name] = run_kvpool(prompts, a.output_len, False, a.runs, engine_kw)
         elif name == "transformers":
@@ -180,6 +243,9 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         result["hybrid_throughput_vs_full_attention"] = hyb["output_tokens_per_s"] / full["output_tokens_per_s"]
         result["hybrid_ttft_speedup_vs_full_attention"] = full["ttft_mean_ms"] / hyb["ttft_mean_ms"]
         result["outputs_identical_hybrid_vs_full"] = outputs["kvpool"] == outputs["kvpool-full-attention"]
+    if "kvpool" in systems and "kvpool-lora" in systems:
+        result["lora_time_ratio"] = systems["kvpool-lora"]["wall_s"] / systems["kvpool"]["wall_s"]
+        result["lora_ttft_ratio"] = systems["kvpool-lora"]["ttft_mean_ms"] / systems["kvpool"]["ttft_mean_ms"]
     if "kvpool" in systems and "transformers" in systems:
         result["throughput_vs_transformers"] = (systems["kvpool"]["output_tokens_per_s"]
                                                 / systems["transformers"]["output_tokens_per_s"])
@@ -198,6 +264,9 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
                      f"{result['hybrid_throughput_vs_full_attention']:.2f}x output throughput, "
                      f"{result['hybrid_ttft_speedup_vs_full_attention']:.2f}x TTFT; identical outputs: "
                      f"{result['outputs_identical_hybrid_vs_full']}")
+    if "lora_time_ratio" in result:
+        extra.append(f"{a.lora} LoRA adapters (rank {a.lora_rank}, all linear layers) vs the base model alone: "
+                     f"{result['lora_time_ratio']:.2f}x wall time, {result['lora_ttft_ratio']:.2f}x TTFT")
     if "throughput_vs_transformers" in result:
         extra.append(f"output throughput vs transformers: {result['throughput_vs_transformers']:.2f}x")
     emit(table + "\n" + "\n".join(extra), result, a.json)

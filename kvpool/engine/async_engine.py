@@ -17,10 +17,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvpool.core.events import KVCacheEvent
 from kvpool.engine.engine import LLMEngine
+from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
@@ -160,6 +162,14 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def model_dir(self) -> Path:
+        return self.engine.model_dir
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The LoRA adapters loaded (kvpool serve --lora-modules)."""
+        return self.engine.list_loras()
+
     async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt token ids of a chat (on a worker thread: the engine tokenizes safely off its thread)."""
         return await asyncio.to_thread(self.engine.apply_chat_template, messages)
@@ -171,7 +181,8 @@ class AsyncEngine:
     # -- caller side (any thread with a running event loop) --------------------------------------------
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str,
-                          cache_salt: str | None = None, mm_inputs: Sequence[MMInput] = ()) -> RequestStream:
+                          cache_salt: str | None = None, mm_inputs: Sequence[MMInput] = (),
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
         Raises ValueError for bad input (nothing is queued), EngineOverloadedError when `max_pending`
@@ -180,7 +191,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         req = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id=request_id,
-                                      cache_salt=cache_salt, mm_inputs=mm_inputs)
+                                      cache_salt=cache_salt, mm_inputs=mm_inputs, lora_request=lora_request)
         with self._pending_lock:
             if self._pending >= self.max_pending:
                 raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")

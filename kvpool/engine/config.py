@@ -110,6 +110,11 @@ class RunnerConfig:
     native_kernels: bool = option(True, "torch ops only: none of kvpool's compiled CPU kernels (decode and "
                                   "prefill attention, fused norm, rotary and SiLU; also KVPOOL_KERNELS=0)",
                                   flag="--no-native-kernels")
+    # LoRA adapters (kvpool.runner.lora): requests name one with a LoRARequest; at most `max_loras`
+    # distinct adapters run at once, each of rank <= `max_lora_rank` (smaller ones are zero-padded to it).
+    enable_lora: bool = option(False, "accept LoRA adapters (kvpool serve turns it on with --lora-modules)")
+    max_loras: int = option(1, "distinct LoRA adapters in one step")
+    max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have")
 
 
 SECTIONS: dict[str, type] = {"runner": RunnerConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}

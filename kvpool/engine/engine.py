@@ -27,6 +27,7 @@ from kvpool.core.pins import Pin, PinSet
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.core.stats import PrefixCacheStats
 from kvpool.engine.config import EngineConfig, parse_size
+from kvpool.engine.lora_request import LoRARegistry, LoRARequest
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
@@ -90,6 +91,9 @@ class LLMEngine:
                                   stage_outputs=config.stage_outputs, stage_output_layers=config.stage_output_layers,
                                   stage_output_cache=config.enable_prefix_caching,
                                   batch_invariant=config.batch_invariant, native_kernels=config.native_kernels)
+        # LoRA adapters (kvpool.runner.lora): None when off
+        self.loras = (LoRARegistry(self.runner.enable_lora(config.max_loras, config.max_lora_rank))
+                      if config.enable_lora else None)
         bs = config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         self.max_model_len = self._longest_fitting_request(self.max_model_len)
@@ -119,7 +123,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   stop_checker=StopChecker(self.detokenizer))
+                                   stop_checker=StopChecker(self.detokenizer),
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         self.eos_token_ids = _eos_ids(self.model_dir)
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
@@ -236,6 +241,18 @@ class LLMEngine:
         self.expire_pins()
         return list(self.pins.pins.values())
 
+    # -- LoRA adapters (kvpool.engine.lora_request) -----------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (else at its first request); ValueError if it cannot serve."""
+        if self.loras is None:
+            raise ValueError("lora_request: LoRA is off; build the engine with enable_lora=True")
+        self.loras.add(lora_request)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.loras is None else list(self.loras.requests.values())
+
     # -- requests --------------------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
@@ -260,9 +277,15 @@ class LLMEngine:
     def make_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                      request_id: str | None = None, lora_id: int | str | None = None,
                      cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
-                     mm_inputs: Sequence[MMInput] = ()) -> Request:
+                     mm_inputs: Sequence[MMInput] = (), lora_request: LoRARequest | None = None) -> Request:
         """Validate, tokenize and hash a request without queueing it (safe off the engine's thread)."""
         params = sampling_params or SamplingParams()
+        lora_name = None
+        if lora_request is not None:
+            if lora_id is not None:
+                raise ValueError("lora_request: give lora_request or lora_id, not both")
+            self.add_lora(lora_request)
+            lora_name = lora_id = lora_request.lora_name  # its blocks are hashed under the adapter's name
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -284,14 +307,16 @@ class LLMEngine:
                       cache_salt=cache_salt, prompt=text,
                       num_encoder_tokens=prepared.num_encoder_tokens if prepared is not None else 0)
         req.mm_inputs = prepared
+        req.lora_name = lora_name
         return req
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, lora_id: int | str | None = None,
                     cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
-                    mm_inputs: Sequence[MMInput] = ()) -> Request:
+                    mm_inputs: Sequence[MMInput] = (), lora_request: LoRARequest | None = None) -> Request:
         req = self.make_request(prompt, sampling_params, request_id=request_id, lora_id=lora_id,
-                                cache_salt=cache_salt, mm_items=mm_items, mm_inputs=mm_inputs)
+                                cache_salt=cache_salt, mm_items=mm_items, mm_inputs=mm_inputs,
+                                lora_request=lora_request)
         self.enqueue(req)
         return req
 
@@ -357,7 +382,7 @@ class LLMEngine:
             tables = s.block_ids
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
                                  end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
-                                 tables if len(tables) > 1 else None))
+                                 tables if len(tables) > 1 else None, lora=req.lora_name))
             if req.mm_inputs is not None:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)
         return steps

@@ -8,6 +8,7 @@ from typing import Any
 from kvpool.core.pins import Pin, PrefixNotCached
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
+from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
@@ -27,10 +28,13 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, cache_salt: str | None = None,
-                 mm_inputs: Sequence[Sequence[MMInput]] | None = None) -> list[RequestOutput]:
+                 mm_inputs: Sequence[Sequence[MMInput]] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids); outputs keep the prompts' order.
 
-        `mm_inputs[i]`: the images or ready embeddings of prompt i (see kvpool.runner.multimodal)."""
+        `mm_inputs[i]`: the images or ready embeddings of prompt i (see kvpool.runner.multimodal).
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model); needs
+        `LLM(..., enable_lora=True)`."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -43,7 +47,7 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         if mm_inputs is not None and len(mm_inputs) != len(prompts):
             raise ValueError("mm_inputs: one list per prompt")
-        return self._run(prompts, params, use_tqdm, cache_salt, mm_inputs)
+        return self._run(prompts, params, use_tqdm, cache_salt, mm_inputs, _per_prompt(lora_request, len(prompts)))
 
     def pin_prefix(self, prompt: Prompt, *, ttl: float | None = None, cache_salt: str | None = None) -> Pin:
         """Keep a prefix (text or token ids: its full blocks) on the device for `ttl` seconds (None:
@@ -62,20 +66,23 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Like generate, with each conversation rendered by the model's chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
         ids = [self.engine.apply_chat_template(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             cache_salt: str | None, mm_inputs: Sequence[Sequence[MMInput]] | None = None) -> list[RequestOutput]:
+             cache_salt: str | None, mm_inputs: Sequence[Sequence[MMInput]] | None = None,
+             loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         eng = self.engine
         order: dict[str, int] = {}
         added: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-                req = eng.add_request(p, sp, cache_salt=cache_salt, mm_inputs=mm_inputs[i] if mm_inputs else ())
+                req = eng.add_request(p, sp, cache_salt=cache_salt, mm_inputs=mm_inputs[i] if mm_inputs else (),
+                                      lora_request=loras[i] if loras else None)
                 order[req.request_id] = i
                 added.append(req.request_id)
         except Exception:
@@ -99,3 +106,12 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
+
+
+def _per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None] | None:
+    if lora is None or isinstance(lora, LoRARequest):
+        return None if lora is None else [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: one per prompt ({n}), or a single one for all; got {len(loras)}")
+    return loras

@@ -55,7 +55,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  enable_chunked_prefill: bool = True,
-                 stop_checker: Callable[[Request], bool] = check_stop_tokens) -> None:
+                 stop_checker: Callable[[Request], bool] = check_stop_tokens, max_loras: int = 0) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
         if max_num_seqs < 1:
@@ -65,6 +65,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.stop_checker = stop_checker  # finished after this token? (kvpool.engine.stop)
+        self.max_loras = max_loras  # distinct LoRA adapters among the running requests; 0: no limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -134,9 +135,16 @@ class Scheduler:
                 i += 1
                 continue
             break  # req itself was preempted: it was the last running request
-        # Admit waiting requests, unless this step had to preempt (memory is short).
+        # Admit waiting requests, unless this step had to preempt (memory is short). A request whose LoRA
+        # adapter would be one too many (max_loras) waits, in its place, for the requests after it.
+        loras = {r.lora_name for r in self.running if r.lora_name is not None} if self.max_loras else set()
+        passed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if req.lora_name is not None and self.max_loras and req.lora_name not in loras \
+                    and len(loras) >= self.max_loras:
+                passed.append(self.waiting.popleft())
+                continue
             hit, n_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - n_hit
             if num_new > budget:
@@ -155,6 +163,9 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, n_hit))
             budget -= num_new
+            if req.lora_name is not None:
+                loras.add(req.lora_name)
+        self.waiting.extendleft(reversed(passed))
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             if s.start_pos < s.request.num_prompt_tokens:

@@ -33,6 +33,7 @@ from kvpool.runner.attention_backends import select_backend
 from kvpool.runner.encoder_cache import EncoderCache
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
+from kvpool.runner.lora import LoRAManager
 from kvpool.runner.models.llama import LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.models.mllama import CrossAttentionMetadata, CrossStep, plan_cross_attention
 from kvpool.runner.models.registry import resolve_model_class
@@ -86,6 +87,7 @@ class SeqStep:
     embeds: tuple[list[int], torch.Tensor] | None = None
     # Cross-attention models: the request's image (its encoder states the first time), see kvpool.runner.models.mllama
     cross: CrossStep | None = None
+    lora: str | None = None  # the LoRA adapter these tokens run with (kvpool.runner.lora); None: the base model
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, dict]:
@@ -232,12 +234,21 @@ class ModelRunner:
             # Rows live at group 0's slots; a sliding group's table holds null blocks.
             raise ValueError("stage_output_cache: needs a model whose layers are all full attention")
         self.last_outputs: dict[str, dict[str, torch.Tensor]] = {}
+        self.lora: LoRAManager | None = None  # set by enable_lora
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
                  num_blocks * self.bytes_per_block / 2**20)
         on = [name for name, used in (("decode attention", self.decode_kernel), ("prefill attention",
               self.prefill_kernel), ("fused norm/rotary/SiLU", self.fused_ops)) if used]
         log.info("kvpool CPU kernels: %s", ", ".join(on) if on else "none (torch ops)")
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAManager:
+        """Wrap the projections for LoRA adapters (kvpool.runner.lora); ValueError for models without."""
+        if self.batch_invariant:
+            raise ValueError("enable_lora: not supported together with batch_invariant")
+        self.lora = LoRAManager(self.model, max_loras=max_loras, max_rank=max_lora_rank, dtype=self.dtype,
+                                device=self.device)
+        return self.lora
 
     @property
     def max_model_len(self) -> int:
@@ -463,6 +474,8 @@ class ModelRunner:
         self.execute_swaps(swap_plan)
         if not steps:
             return {}
+        if self.lora is not None:
+            steps = self.lora.begin_step(steps)  # rows sorted by adapter, each adapter's rows contiguous
         input_ids, positions, metas = self._metadata(steps)
         meta = metas[0] if len(metas) == 1 else [metas[v] for v in self._view_of_layer]
         if not self.stage_outputs and all(s.embeds is None for s in steps):
@@ -471,6 +484,8 @@ class ModelRunner:
             hidden = self._forward_with_outputs(steps, input_ids, positions, meta,
                                                 getattr(metas[0], "slot_mapping", None))
         self.num_tokens_computed += int(input_ids.shape[0])
+        if self.lora is not None:
+            self.lora.end_step()
         rows, want = [], []
         t = 0
         for s in steps:

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
@@ -153,16 +154,24 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"model: The model `{name}` does not exist (this server has `{model_name}`)",
-                           "model")
+    def loras() -> dict[str, LoRARequest]:
+        return {r.lora_name: r for r in engine.list_loras()}
+
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The LoRA adapter that `model` names (None: the base model); 404 for a name this server lacks."""
+        if name is None or name == model_name:
+            return None
+        lora = loras().get(name)
+        if lora is None:
+            have = ", ".join(f"`{n}`" for n in [model_name, *loras()])
+            raise APIError(404, f"model: The model `{name}` does not exist (this server has {have})", "model")
+        return lora
 
     async def start(prompt: str | list[int], params: SamplingParams, salt: str | None,
-                    mm_inputs: Sequence[MMInput] = ()) -> RequestStream:
+                    mm_inputs: Sequence[MMInput] = (), lora: LoRARequest | None = None) -> RequestStream:
         try:
             return await engine.add_request(prompt, params, request_id=uuid.uuid4().hex, cache_salt=salt,
-                                            mm_inputs=mm_inputs)
+                                            mm_inputs=mm_inputs, lora_request=lora)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except EngineOverloadedError as e:
@@ -199,7 +208,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
 
     def sse(stream: RequestStream, chunk: Callable[[str, RequestOutput | None, bool], dict[str, Any]],
             params: SamplingParams, include_usage: bool, rid: str, obj: str,
-            first: dict[str, Any] | None = None) -> StreamingResponse:
+            first: dict[str, Any] | None = None, model: str = model_name) -> StreamingResponse:
         deltas = _TextDeltas(params)
 
         async def events() -> AsyncIterator[str]:
@@ -212,7 +221,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                     if text or out.finished:
                         yield f"data: {json.dumps(chunk(text, out, out.finished))}\n\n"
                 if include_usage and out is not None:
-                    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
                             "choices": [], "usage": _usage(out)}
                     yield f"data: {json.dumps(body)}\n\n"
             except EngineDeadError as e:
@@ -290,9 +299,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "kvpool",
-             "max_model_len": engine.max_model_len}]})
+        base = {"id": model_name, "object": "model", "created": created, "owned_by": "kvpool",
+                "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len}
+        # LoRA adapters as vLLM lists them: their folder as `root`, the base model as `parent`.
+        adapters = [{"id": r.lora_name, "object": "model", "created": created, "owned_by": "kvpool",
+                     "root": r.lora_path, "parent": model_name, "max_model_len": engine.max_model_len}
+                    for r in loras().values()]
+        return JSONResponse({"object": "list", "data": [base, *adapters]})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
@@ -309,12 +322,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     async def completions(request: Request) -> Response:
         authorize(request)
         body = await read_body(request, CompletionRequest, max_body_bytes)
-        check_model(body.model)
+        lora = check_model(body.model)
+        served = lora.lora_name if lora is not None else model_name
         try:
             prompt, params = body.single_prompt(), body.to_sampling_params()
         except ValueError as e:
             raise APIError.from_value_error(e) from None
-        stream = await start(prompt, params, body.cache_salt)
+        stream = await start(prompt, params, body.cache_salt, lora=lora)
         rid = f"cmpl-{stream.request_id}"
 
         def choice(text: str, out: RequestOutput | None, final: bool) -> dict[str, Any]:
@@ -324,17 +338,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return sse(stream, lambda t, o, f: {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                                "model": model_name, "choices": [choice(t, o, f)]},
-                       params, include, rid, "text_completion")
+                                                "model": served, "choices": [choice(t, o, f)]},
+                       params, include, rid, "text_completion", model=served)
         out = await finish(request, stream)
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": model_name, "choices": [choice(out.text, out, True)], "usage": _usage(out)})
+                             "model": served, "choices": [choice(out.text, out, True)], "usage": _usage(out)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         body = await read_body(request, ChatCompletionRequest, max_body_bytes)
-        check_model(body.model)
+        lora = check_model(body.model)
+        served = lora.lora_name if lora is not None else model_name
         mm: list[MMInput] = []
         try:
             params = body.to_sampling_params()
@@ -346,22 +361,22 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise APIError.from_value_error(e) from None
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        stream = await start(ids, params, body.cache_salt, mm)
+        stream = await start(ids, params, body.cache_salt, mm, lora)
         rid = f"chatcmpl-{stream.request_id}"
 
         def chunk(text: str, out: RequestOutput | None, final: bool, delta: dict[str, Any] | None = None
                   ) -> dict[str, Any]:
             reason = out.outputs[0].finish_reason if out is not None and final else None
-            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": served,
                     "choices": [{"index": 0, "delta": delta if delta is not None else {"content": text},
                                  "logprobs": None, "finish_reason": reason}]}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return sse(stream, chunk, params, include, rid, "chat.completion.chunk",
-                       first=chunk("", None, False, {"role": "assistant", "content": ""}))
+                       first=chunk("", None, False, {"role": "assistant", "content": ""}), model=served)
         out = await finish(request, stream)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served,
                              "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                                           "logprobs": None, "finish_reason": out.outputs[0].finish_reason}],
                              "usage": _usage(out)})

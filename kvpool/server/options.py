@@ -36,6 +36,16 @@ class ImageServerConfig:
     max_image_pixels: int = option(4096 * 4096, "images with more pixels (width x height) get HTTP 400")
 
 
+@dataclass
+class LoRAServerConfig:
+    """The PEFT adapters a server loads at start (kvpool.runner.lora)."""
+
+    lora_modules: list[str] | None = option(
+        None, "serve these PEFT adapters; a request's `model` names one (or the base model); also vLLM's JSON "
+        "form '{\"name\": ..., \"path\": ...}'. Implies --enable-lora", nargs="+", metavar="NAME=PATH")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, ServerConfig, "server")
     add_flags(p, ImageServerConfig, "images (chat content parts of type image_url, for models that take images)")
+    add_flags(p, LoRAServerConfig, "LoRA adapters")

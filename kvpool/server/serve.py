@@ -48,6 +48,9 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
           kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
           media: MediaOptions | None = None) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
     name = served_model_name or engine.model_dir.name
+    if any(r.lora_name == name for r in engine.list_loras()):
+        raise ValueError(f"lora_modules: adapter name {name!r} is the served model's name; a request's `model` "
+                         f"could not tell them apart")
     async_engine = AsyncEngine(engine, max_pending=max_pending)
     metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
     async_engine.add_listener(metrics.observe)
@@ -95,11 +98,22 @@ def media_options(args: argparse.Namespace) -> MediaOptions:
     return MediaOptions(Path(root) if root is not None else None, args.max_image_bytes, args.max_image_pixels)
 
 
+def add_lora_modules(engine: LLMEngine, specs: list[str]) -> None:
+    """Load `--lora-modules` (name=PATH ...) now, so that a bad adapter stops the start with a ValueError."""
+    from kvpool.engine.lora_request import parse_lora_modules
+
+    for lora in parse_lora_modules(specs):
+        engine.add_lora(lora)
+
+
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     media = media_options(args)  # checked before the model loads
     if args.kv_events_endpoint:
         engine_kwargs = dict(engine_kwargs, enable_kv_events=True)
+    if args.lora_modules:
+        engine_kwargs = dict(engine_kwargs, enable_lora=True)
     engine = LLMEngine(**engine_kwargs)
+    add_lora_modules(engine, args.lora_modules or [])
     app, async_engine, _, publisher = build(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                                             max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
                                             kv_events_endpoint=args.kv_events_endpoint,

@@ -1,0 +1,102 @@
+"""`LoRARequest`: which PEFT adapter a request runs with (vLLM's shape), and `--lora-modules` parsing.
+
+The adapter's name is its identity everywhere: the key its cached KV blocks are hashed under (so blocks
+are shared between requests of one adapter and never across adapters, and a router or another replica
+computes the same hashes), the `model` a client sends, the entry in `/v1/models`. The integer id is
+vLLM's bookkeeping and is checked for consistency with the name, nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """`LoRARequest("sql", 1, "/path/to/adapter")`: a PEFT folder (adapter_config.json and
+    adapter_model.safetensors) served under `lora_name`; `lora_int_id` > 0 names it to the engine."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError("lora_request: lora_name must be a non-empty string")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_request: lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not self.lora_path:
+            raise ValueError(f"lora_request: adapter {self.lora_name!r} has no lora_path")
+
+    # vLLM's aliases
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
+def parse_lora_modules(specs: Sequence[str]) -> list[LoRARequest]:
+    """`--lora-modules` values: `name=PATH`, or vLLM's JSON form `{"name": ..., "path": ...,
+    "base_model_name": ...}`; ids are given in order from 1. ValueError on a malformed or repeated name."""
+    out: list[LoRARequest] = []
+    for spec in specs:
+        spec = spec.strip()
+        if spec.startswith("{"):
+            try:
+                d = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"lora_modules: {spec!r} is not valid JSON ({e.msg})") from None
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+                raise ValueError(f"lora_modules: {spec!r} needs string fields 'name' and 'path'")
+            name, path, base = d["name"], d["path"], d.get("base_model_name")
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {spec!r} is not of the form name=PATH")
+            base = None
+        if any(r.lora_name == name for r in out):
+            raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
+        out.append(LoRARequest(name, len(out) + 1, path, base))
+    return out
+
+
+class LoRARegistry:
+    """The engine's adapters by name: each `LoRARequest` seen is checked against the ones before it
+    (a name is one id and one folder, an id one name) and loaded into the runner once."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager  # kvpool.runner.lora.LoRAManager
+        self.requests: dict[str, LoRARequest] = {}
+        self._lock = threading.Lock()
+
+    def add(self, req: LoRARequest) -> str:
+        """The adapter's name (its cache key); ValueError for a conflicting or unloadable adapter."""
+        if not isinstance(req, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(req).__name__}")
+        with self._lock:
+            have = self.requests.get(req.lora_name)
+            if have is not None and have.lora_int_id == req.lora_int_id and have.lora_path == req.lora_path:
+                return req.lora_name
+            if have is not None:
+                raise ValueError(f"lora_request: adapter name {req.lora_name!r} is already in use as id "
+                                 f"{have.lora_int_id} from {have.lora_path!r}")
+            for other in self.requests.values():
+                if other.lora_int_id == req.lora_int_id:
+                    raise ValueError(f"lora_request: lora_int_id {req.lora_int_id} is already adapter "
+                                     f"{other.lora_name!r}")
+        self.manager.register(req.lora_name, req.lora_path)  # reads the folder: outside the lock
+        with self._lock:
+            self.requests.setdefault(req.lora_name, req)
+        return req.lora_name

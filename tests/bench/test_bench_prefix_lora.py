@@ -1,0 +1,24 @@
+"""`kvpool bench prefix --systems kvpool,kvpool-lora`: the base model alone against random LoRA adapters,
+one per group of the shared-prefix workload, run for run in one invocation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli import main
+
+
+def test_bench_prefix_lora_variant(chat_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "prefix", "--model", str(chat_llama_dir), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+               "--systems", "kvpool,kvpool-lora", "--groups", "4", "--system-len", "32", "--questions", "2",
+               "--question-len", "8", "--output-len", "3", "--lora", "2", "--lora-rank", "4", "--runs", "2", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    base, lora = result["systems"]["kvpool"], result["systems"]["kvpool-lora"]
+    assert lora["hit_rate"] == base["hit_rate"] > 0  # each group's prefix stays within its adapter
+    assert result["lora_time_ratio"] == pytest.approx(lora["wall_s"] / base["wall_s"])
+    assert "2 LoRA adapters (rank 4, all linear layers) vs the base model alone" in out

@@ -1,0 +1,246 @@
+"""LoRA adapters applied by the runner: greedy tokens identical to transformers + peft (PeftModel) for each
+adapter alone and for adapters and the base model mixed in one batch, with prefix caching on and off;
+cached blocks shared within an adapter and never across adapters; clear errors for what cannot serve."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import TINY_VOCAB, make_peft_adapter, make_tiny_model, peft_greedy
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.lora_request import LoRARequest, parse_lora_modules
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.lora import write_random_adapter
+
+N_OUT = 12
+BLOCK = 16
+rng = random.Random(7)
+SHARED = [rng.randrange(TINY_VOCAB) for _ in range(40)]  # a prefix several prompts (and adapters) share
+PROMPTS = [[*SHARED, *(rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 20)))] for _ in range(3)] + [
+    [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(3)]
+# Adapter of each prompt in the mixed batch (None: the base model).
+MIXED = [None, "attn", "all", "attn", "all", None]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-loras")
+    return {"attn": make_peft_adapter(tiny_llama_dir, root / "attn", r=8, targets=["q_proj", "v_proj"], seed=1),
+            "all": make_peft_adapter(tiny_llama_dir, root / "all", r=16, targets="all-linear", seed=2),
+            # rank and alpha patterns, rsLoRA: PEFT's scaling rules
+            "patterns": make_peft_adapter(tiny_llama_dir, root / "patterns", r=4, seed=3,
+                                          targets=["k_proj", "o_proj", "up_proj", "down_proj"], use_rslora=True,
+                                          rank_pattern={"down_proj": 8}, alpha_pattern={"o_proj": 3})}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path, adapters: dict[str, Path]) -> dict[str | None, list[list[int]]]:
+    out: dict[str | None, list[list[int]]] = {None: peft_greedy(tiny_llama_dir, None, PROMPTS, N_OUT)}
+    for name, path in adapters.items():
+        out[name] = peft_greedy(tiny_llama_dir, path, PROMPTS, N_OUT)
+        assert out[name] != out[None], f"adapter {name} does not change the tokens: the test would prove nothing"
+    return out
+
+
+def requests(adapters: dict[str, Path]) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
+
+
+def tiny_llm(model: Path, **kw: object) -> LLM:
+    args: dict[str, object] = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=128, block_size=BLOCK,
+                                   enable_lora=True, max_loras=3, max_lora_rank=16)
+    args.update(kw)
+    return LLM(str(model), **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no caching"])
+def test_tokens_equal_peft_alone_and_mixed(caching: bool, tiny_llama_dir: Path, adapters: dict[str, Path],
+                                           expected: dict[str | None, list[list[int]]]) -> None:
+    llm = tiny_llm(tiny_llama_dir, enable_prefix_caching=caching)
+    loras = requests(adapters)
+    sp = SamplingParams.greedy(N_OUT)
+    for name in [None, *adapters]:
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=loras[name] if name else None)
+        assert [o.token_ids for o in outs] == expected[name], name
+    # Adapters and the base model in one batch (prefill and decode steps both mixed), twice: the second
+    # time every prompt's prefix is cached, under its own adapter only.
+    for _ in range(2):
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=[loras[n] if n else None for n in MIXED])
+        assert [o.token_ids for o in outs] == [expected[n][i] for i, n in enumerate(MIXED)]
+    assert llm.engine.kv.usage == 0
+
+
+def test_chunked_steps_of_three_adapters(tiny_llama_dir: Path, adapters: dict[str, Path],
+                                         expected: dict[str | None, list[list[int]]]) -> None:
+    """Chunked prefill cutting prompts at any token, three adapters and the base model in each step (the
+    rows sorted into adapter segments, then back to each request's output)."""
+    loras = requests(adapters)
+    names = ["patterns", "all", None, "attn", "patterns", "all"]
+    llm = tiny_llm(tiny_llama_dir, max_num_batched_tokens=40)
+    outs = llm.generate(PROMPTS, SamplingParams.greedy(N_OUT), use_tqdm=False,
+                        lora_request=[loras[n] if n else None for n in names])
+    assert [o.token_ids for o in outs] == [expected[n][i] for i, n in enumerate(names)]
+
+
+def test_max_loras_limits_the_adapters_running_together(tiny_llama_dir: Path, adapters: dict[str, Path],
+                                                        expected: dict[str | None, list[list[int]]]) -> None:
+    llm = tiny_llm(tiny_llama_dir, max_loras=1)
+    loras = requests(adapters)
+    seen: list[set[str]] = []
+    real_step = llm.engine.scheduler.schedule
+
+    def schedule():  # what runs together: at most one adapter, the base model beside it
+        out = real_step()
+        seen.append({s.request.lora_name for s in out.scheduled if s.request.lora_name is not None})
+        return out
+
+    llm.engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    outs = llm.generate(PROMPTS, SamplingParams.greedy(N_OUT), use_tqdm=False,
+                        lora_request=[loras[n] if n else None for n in MIXED])
+    assert [o.token_ids for o in outs] == [expected[n][i] for i, n in enumerate(MIXED)]
+    assert max(map(len, seen)) == 1 and set().union(*seen) == {"attn", "all"}
+    assert llm.engine.runner.lora is not None and llm.engine.runner.lora.num_slot_loads >= 2
+
+
+def test_blocks_shared_within_an_adapter_never_across(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
+    llm = tiny_llm(tiny_llama_dir)
+    loras = requests(adapters)
+    prompt = [rng.randrange(TINY_VOCAB) for _ in range(3 * BLOCK + 5)]
+    sp = SamplingParams.greedy(2)
+
+    def cached(lora: LoRARequest | None, p: list[int] = prompt) -> int:
+        return llm.generate(p, sp, use_tqdm=False, lora_request=lora)[0].num_cached_tokens
+
+    assert cached(loras["attn"]) == 0
+    assert cached(loras["attn"]) == 3 * BLOCK  # the same adapter: every full block is a hit
+    assert cached(loras["all"]) == 0  # another adapter: nothing shared
+    assert cached(None) == 0  # nor with the base model
+    assert cached(None) == 3 * BLOCK and cached(loras["all"]) == 3 * BLOCK
+    # A prompt branching off the cached one, same adapter: its common full blocks are hits.
+    assert cached(loras["attn"], prompt[:2 * BLOCK] + [1] * 20) == 2 * BLOCK
+    # Block ids: each adapter's chain is its own set of blocks.
+    pool = llm.engine.kv.block_pool
+    assert len(pool.cached) == 3 * (3 * BLOCK // BLOCK) + 1  # 3 chains of 3 blocks, and the branch's block
+
+
+def test_random_adapter_files_read_by_peft(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`write_random_adapter` (the benchmark's adapters) writes what PEFT reads, to the same tokens."""
+    path = write_random_adapter(tmp_path / "rand", tiny_llama_dir, rank=8, targets=["q_proj", "gate_proj"], seed=5)
+    want = peft_greedy(tiny_llama_dir, path, PROMPTS[:3], N_OUT)
+    llm = tiny_llm(tiny_llama_dir, max_loras=1, max_lora_rank=8)
+    outs = llm.generate(PROMPTS[:3], SamplingParams.greedy(N_OUT), use_tqdm=False,
+                        lora_request=LoRARequest("rand", 1, str(path)))
+    assert [o.token_ids for o in outs] == want
+
+
+def test_bf16_applies_the_adapters(tiny_llama_dir: Path, adapters: dict[str, Path],
+                                   expected: dict[str | None, list[list[int]]]) -> None:
+    """bf16 (packed oneDNN projections where the CPU has them): not exact against fp32, but the adapters'
+    deltas land: a mixed batch's first tokens are the fp32 reference's for most prompts."""
+    llm = tiny_llm(tiny_llama_dir, dtype="bfloat16")
+    loras = requests(adapters)
+    outs = llm.generate(PROMPTS, SamplingParams.greedy(N_OUT), use_tqdm=False,
+                        lora_request=[loras[n] if n else None for n in MIXED])
+    firsts = [o.token_ids[0] == expected[n][i][0] for i, (o, n) in enumerate(zip(outs, MIXED, strict=True))]
+    assert sum(firsts) >= len(PROMPTS) - 1, firsts
+
+
+# -- what cannot serve: a clear ValueError, before anything runs ----------------------------------------
+
+
+def test_bad_adapters_are_refused(tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    llm = tiny_llm(tiny_llama_dir, max_lora_rank=8)
+    sp = SamplingParams.greedy(2)
+
+    def refused(lora: LoRARequest, *words: str) -> None:
+        with pytest.raises(ValueError, match="lora_request") as e:
+            llm.generate([1, 2, 3], sp, use_tqdm=False, lora_request=lora)
+        for w in words:
+            assert w in str(e.value)
+
+    refused(LoRARequest("gone", 1, str(tmp_path / "nope")), "no such folder")
+    (tmp_path / "empty").mkdir()
+    refused(LoRARequest("empty", 1, str(tmp_path / "empty")), "adapter_config.json")
+    refused(LoRARequest("all", 2, str(adapters["all"])), "rank 16", "max_lora_rank=8")
+    head = make_peft_adapter(tiny_llama_dir, tmp_path / "head", r=4, targets=["q_proj", "lm_head"], seed=4)
+    refused(LoRARequest("head", 3, str(head)), "lm_head", "not supported")
+    emb = make_peft_adapter(tiny_llama_dir, tmp_path / "emb", r=4, targets=["embed_tokens"], seed=4)
+    refused(LoRARequest("emb", 4, str(emb)), "embed_tokens", "not supported")
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["attn"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    refused(LoRARequest("dora", 5, str(dora)), "use_dora")
+    narrow = make_tiny_model(tmp_path / "narrow", "LlamaConfig", "LlamaForCausalLM", vocab_size=TINY_VOCAB,
+                             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2)
+    other = make_peft_adapter(narrow, tmp_path / "other", r=4, targets=["q_proj"], seed=4)
+    refused(LoRARequest("other", 6, str(other)), "another base model")
+    # One name is one adapter; one id one name.
+    llm.generate([1, 2, 3], sp, use_tqdm=False, lora_request=LoRARequest("attn", 7, str(adapters["attn"])))
+    refused(LoRARequest("attn", 8, str(adapters["attn"])), "already in use")
+    refused(LoRARequest("attn2", 7, str(adapters["attn"])), "already adapter 'attn'")
+    assert llm.engine.kv.usage == 0 and not llm.engine.scheduler.has_unfinished()
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, "/a")
+    with pytest.raises(ValueError, match="lora_request: one per prompt"):
+        llm.generate([[1, 2], [3, 4]], sp, use_tqdm=False, lora_request=[None])
+
+
+def test_lora_needs_enable_lora_and_a_llama(tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=32)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate([1, 2, 3], SamplingParams.greedy(2), use_tqdm=False,
+                     lora_request=LoRARequest("attn", 1, str(adapters["attn"])))
+    gemma = make_tiny_model(tmp_path / "gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", vocab_size=TINY_VOCAB,
+                            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=16)
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters are supported for Llama-family models"):
+        LLM(str(gemma), dtype="float32", skip_tokenizer_init=True, num_blocks=32, enable_lora=True)
+    with pytest.raises(ValueError, match="max_loras"):
+        tiny_llm(tiny_llama_dir, max_loras=0)
+
+
+def test_lora_modules_parsing() -> None:
+    a, b = parse_lora_modules(["sql=/x/sql", '{"name": "chat", "path": "/x/chat", "base_model_name": "m"}'])
+    assert (a.lora_name, a.lora_int_id, a.lora_path) == ("sql", 1, "/x/sql")
+    assert (b.lora_name, b.lora_int_id, b.lora_path, b.base_model_name) == ("chat", 2, "/x/chat", "m")
+    for bad in (["sql"], ["=/x"], ["a=/x", "a=/y"], ['{"name": "a"}'], ["{bad json"]):
+        with pytest.raises(ValueError, match="lora_modules"):
+            parse_lora_modules(bad)
+
+
+# -- SmolLM2: the real model, short --------------------------------------------------------------------
+
+SMOL_OUT = 5
+
+
+@pytest.fixture(scope="module")
+def smol_adapters(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("smol-loras")
+    return {"attn": make_peft_adapter(smol_dir, root / "attn", r=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      seed=1),
+            "all": make_peft_adapter(smol_dir, root / "all", r=16, targets="all-linear", seed=2)}
+
+
+def test_smollm2_adapters_equal_peft(smol_dir: Path, smol_adapters: dict[str, Path]) -> None:
+    llm = LLM(str(smol_dir), dtype="float32", kv_cache_memory="64MiB", enable_lora=True, max_loras=2,
+              max_lora_rank=16)
+    tok = llm.tokenizer
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    want = {name: peft_greedy(smol_dir, path, prompts, SMOL_OUT) for name, path in [(None, None),
+                                                                                    *smol_adapters.items()]}
+    assert want["attn"] != want[None] and want["all"] != want[None]
+    loras = {name: LoRARequest(name, i + 1, str(p)) for i, (name, p) in enumerate(smol_adapters.items())}
+    sp = SamplingParams.greedy(SMOL_OUT, ignore_eos=True)
+    for name in smol_adapters:
+        outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras[name])
+        assert [o.token_ids for o in outs] == want[name], name
+    names = ["all", None, "attn", "all", "attn", None]
+    outs = llm.generate(prompts * 3, sp, use_tqdm=False, lora_request=[loras[n] if n else None for n in names])
+    assert [o.token_ids for o in outs] == [want[n][i % 2] for i, n in enumerate(names)]
