@@ -40,7 +40,7 @@ class ImageServerConfig:
 class LoRAServerConfig:
     """The PEFT adapters a server loads at start (kvpool.runner.lora)."""
 
-    lora_modules: list[str] | None = option(
+    lora_modules: tuple[str, ...] | None = option(
         None, "serve these PEFT adapters; a request's `model` names one (or the base model); also vLLM's JSON "
         "form '{\"name\": ..., \"path\": ...}'. Implies --enable-lora", nargs="+", metavar="NAME=PATH")
 
