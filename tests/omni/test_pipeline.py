@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import TINY_VOCAB
 
 from kvpool.engine.engine import LLMEngine
@@ -139,6 +140,10 @@ def test_batch_invariance_is_what_makes_it_exact(tiny_llama_dir: Path, talker_di
     # matmul rows depend on the row count on every CPU seen (bf16's do not, see test_batch_invariance), and
     # requests one at a time, so a hit's suffix (1-2 rows) and its recomputation (~40 rows) run at row
     # counts the matmul kernels treat differently.
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 64, generator=g), torch.randn(40, 64, generator=g)  # the tiny model's q projection
+    if all(torch.equal(F.linear(x[:k], w)[0], F.linear(x, w)[0]) for k in (2, 3)):
+        pytest.skip("this CPU's fp32 matmul gives a row the same bits within 2, 3 or 40 rows: nothing to show")
     systems = [random.Random(5).randrange(TINY_VOCAB) for _ in range(37)]
     ps = [systems + [7 + i] * (1 + i % 2) for i in range(4)]
     outs = {}
