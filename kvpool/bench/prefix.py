@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=16, help="kvpool-lora: their rank")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--workload-out", help="write the workload (token ids) as JSON for vllm-cpu/run.sh")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no warm-up requests before the timed runs: the first of each system's wall_s_runs is then "
+                        "a fresh engine's first requests (what a user's first request meets)")
     p.add_argument("--json", action="store_true")
 
 
@@ -58,8 +61,9 @@ class KVPoolSession:
     """One engine for the workload: built and warmed once, then timed run after run."""
 
     def __init__(self, prompts: list[list[int]], out_len: int, caching: bool, engine_kw: dict[str, Any],
-                 loras: list[Any] | None = None) -> None:
-        """`loras`: each prompt's LoRARequest (None: the base model)."""
+                 loras: list[Any] | None = None, warmup: bool = True) -> None:
+        """`loras`: each prompt's LoRARequest (None: the base model); `warmup`: a few short requests first, so
+        the timed runs leave out the engine's first-call costs."""
         from kvpool.engine.llm import LLM
         from kvpool.engine.sampling_params import SamplingParams
 
@@ -71,8 +75,9 @@ class KVPoolSession:
                  "hybrid" if llm.engine.config.hybrid_allocator else "uniform", llm.engine.runner.num_blocks,
                  _requests_that_fit(llm, prompts, out_len))
         self.sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        llm.generate([p[:64] for p in prompts[:4]], self.sp, use_tqdm=False,  # warm-up: first-call costs
-                     lora_request=loras[:4] if loras else None)
+        if warmup:
+            llm.generate([p[:64] for p in prompts[:4]], self.sp, use_tqdm=False,
+                         lora_request=loras[:4] if loras else None)
         self.results: list[dict[str, float]] = []
         self.tokens: list[list[int]] = []
 
@@ -106,12 +111,15 @@ class KVPoolSession:
         """Medians over the runs, and each run's wall time (`wall_s_runs`: how steady the machine was; the
         fastest, `wall_s_min`, is the one a busy machine disturbed least)."""
         walls = [r["wall_s"] for r in self.results]
-        return {**_median(self.results), "wall_s_runs": walls, "wall_s_min": min(walls)}, self.tokens
+        med = _median(self.results)
+        # The first run over the median: with --no-warmup, how much slower a fresh engine's first requests are.
+        return {**med, "wall_s_runs": walls, "wall_s_min": min(walls),
+                "first_run_vs_median": walls[0] / med["wall_s"]}, self.tokens
 
 
 def run_kvpool(prompts: list[list[int]], out_len: int, caching: bool, runs: int, engine_kw: dict[str, Any],
-               loras: list[Any] | None = None) -> tuple[dict[str, Any], list[list[int]]]:
-    session = KVPoolSession(prompts, out_len, caching, engine_kw, loras)
+               loras: list[Any] | None = None, warmup: bool = True) -> tuple[dict[str, Any], list[list[int]]]:
+    session = KVPoolSession(prompts, out_len, caching, engine_kw, loras, warmup)
     for _ in range(runs):
         session.run()
     return session.summary()
@@ -199,6 +207,7 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     systems: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     wanted = [s.strip() for s in a.systems.split(",") if s.strip()]
+    warm = not a.no_warmup
     paired = "kvpool" in wanted and "kvpool-lora" in wanted
     if paired:
         # Compared run for run: the two engines alternate, so a machine whose load drifts weighs on both alike.
@@ -206,26 +215,26 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     for name in wanted:
         if name == "kvpool" and paired:
             with tempfile.TemporaryDirectory(prefix="kvpool-lora-") as folder:
-                pair = [KVPoolSession(prompts, a.output_len, True, engine_kw),
+                pair = [KVPoolSession(prompts, a.output_len, True, engine_kw, warmup=warm),
                         KVPoolSession(prompts, a.output_len, True, _lora_engine_kw(a, engine_kw),
-                                      lora_requests(a, engine_kw.get("model"), folder))]
+                                      lora_requests(a, engine_kw.get("model"), folder), warmup=warm)]
                 for _ in range(a.runs):
                     for session in pair:
                         session.run()
             systems["kvpool"], outputs["kvpool"] = pair[0].summary()
             systems["kvpool-lora"], outputs["kvpool-lora"] = pair[1].summary()
         elif name == "kvpool":
-            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs, engine_kw)
+            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs, engine_kw, warmup=warm)
         elif name == "kvpool-full-attention":  # the uniform allocator: sliding layers keep every block
             systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs,
-                                                      {**engine_kw, "hybrid_allocator": False})
+                                                      {**engine_kw, "hybrid_allocator": False}, warmup=warm)
         elif name == "kvpool-lora":
             with tempfile.TemporaryDirectory(prefix="kvpool-lora-") as folder:
                 loras = lora_requests(a, engine_kw.get("model"), folder)
                 systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs,
-                                                          _lora_engine_kw(a, engine_kw), loras)
+                                                          _lora_engine_kw(a, engine_kw), loras, warmup=warm)
         elif name == "kvpool-no-cache":
-            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, False, a.runs, engine_kw)
+            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, False, a.runs, engine_kw, warmup=warm)
         elif name == "transformers":
             systems[name], outputs[name] = run_transformers(prompts, a.output_len, a.hf_batch_size,
                                                             engine_kw.get("dtype", "bfloat16"), engine_kw.get("model"))

@@ -22,3 +22,15 @@ def test_bench_prefix_lora_variant(chat_llama_dir: Path, capsys: pytest.CaptureF
     assert lora["hit_rate"] == base["hit_rate"] > 0  # each group's prefix stays within its adapter
     assert result["lora_time_ratio"] == pytest.approx(lora["wall_s"] / base["wall_s"])
     assert "2 LoRA adapters (rank 4, all linear layers) vs the base model alone" in out
+
+
+def test_bench_prefix_reports_the_cold_first_run(chat_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --no-warmup: the first timed run is the engine's first requests; it is reported against the median.
+    rc = main(["bench", "prefix", "--model", str(chat_llama_dir), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+               "--systems", "kvpool", "--groups", "2", "--system-len", "32", "--questions", "2",
+               "--question-len", "8", "--output-len", "3", "--runs", "3", "--no-warmup", "--json"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["systems"]["kvpool"]
+    assert len(s["wall_s_runs"]) == 3
+    assert s["first_run_vs_median"] == pytest.approx(s["wall_s_runs"][0] / sorted(s["wall_s_runs"])[1])
+    assert s["hit_rate"] > 0
