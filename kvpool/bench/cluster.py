@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from kvpool.bench.multiturn import arrival_order, conversations
+from kvpool.bench.multiturn import arrival_order, conversations, take_idle
 from kvpool.bench.report import emit, format_table
 
 SYSTEMS = ("round-robin", "round-robin+store", "router", "router+store", "ceiling")
@@ -210,14 +210,7 @@ async def drive(url: str, a: argparse.Namespace, system: list[int], convs: list[
         tasks: set[asyncio.Task[None]] = set()
 
         def refill() -> None:
-            i = 0
-            while i < len(order) and len(busy) < a.concurrency:
-                c = order[i]
-                if c in busy:
-                    i += 1
-                    continue
-                order.pop(i)
-                busy.add(c)
+            for c in take_idle(order, busy, a.concurrency):
                 task = asyncio.ensure_future(one(c))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)

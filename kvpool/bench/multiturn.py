@@ -61,6 +61,22 @@ def arrival_order(a: argparse.Namespace) -> list[int]:
     return order
 
 
+def take_idle(order: list[int], busy: set[int], limit: int) -> list[int]:
+    """The earliest pending turns (taken out of `order`) whose conversation is idle, until `busy` holds
+    `limit` conversations; they are marked busy."""
+    taken = []
+    i = 0
+    while i < len(order) and len(busy) < limit:
+        c = order[i]
+        if c in busy:
+            i += 1
+            continue
+        order.pop(i)
+        busy.add(c)
+        taken.append(c)
+    return taken
+
+
 def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> tuple[dict, list[list[int]]]:
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling_params import SamplingParams
@@ -105,15 +121,7 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
     busy: set[int] = set()
 
     def refill() -> None:
-        # Send the earliest pending turns whose conversation is idle, up to the concurrency limit.
-        i = 0
-        while i < len(order) and len(busy) < a.concurrency:
-            c = order[i]
-            if c in busy:
-                i += 1
-                continue
-            order.pop(i)
-            busy.add(c)
+        for c in take_idle(order, busy, a.concurrency):
             send(c)
 
     t0 = time.perf_counter()

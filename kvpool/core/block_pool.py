@@ -136,34 +136,31 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """ref_cnt -= 1; blocks reaching 0 become free in the given order (first evicted first): those
         holding no cached content as one batch at the front, the cached ones to the policy."""
-        first: list[KVCacheBlock] = []
-        last: list[KVCacheBlock] = []
-        for blk in ordered_blocks:
-            if blk.is_null:
-                continue
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                (first if blk.block_hash is None else last).append(blk)
-            elif blk.ref_cnt < 0:
-                raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
-        self._released(first, last)
+        self._released(*self._drop_refs(ordered_blocks))
 
     def free_blocks_to_front(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
         """Release blocks a later hit is unlikely to use (a sliding window's blocks outside every window
         that matters): evicted before any cached block a hit needs, first given first, but never ahead
         of empty blocks (evicting content while empty blocks wait would lose hits for nothing: a shared
         prefix may end at any block, not only where this request's likely hit points are)."""
-        first: list[KVCacheBlock] = []
-        low: list[KVCacheBlock] = []
+        first, low = self._drop_refs(ordered_blocks)
+        self._released(first, [], low)
+
+    @staticmethod
+    def _drop_refs(ordered_blocks: Iterable[KVCacheBlock]) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
+        """ref_cnt -= 1 on each block; those reaching 0, in the given order, split into the ones holding
+        nothing and the ones holding cached content."""
+        empty: list[KVCacheBlock] = []
+        cached: list[KVCacheBlock] = []
         for blk in ordered_blocks:
             if blk.is_null:
                 continue
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                (first if blk.block_hash is None else low).append(blk)
+                (empty if blk.block_hash is None else cached).append(blk)
             elif blk.ref_cnt < 0:
                 raise AssertionError(f"block {blk.block_id} freed more often than it was taken")
-        self._released(first, [], low)
+        return empty, cached
 
     # -- shared -------------------------------------------------------------------------------------
 
