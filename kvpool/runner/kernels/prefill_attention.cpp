@@ -28,7 +28,7 @@ using namespace kvpool_kernels;
 using Bf16 = c10::BFloat16;
 
 constexpr int64_t kMaxRows = 96;  // rows (query position x head of the group) of one task
-constexpr int64_t kRowBlock = 8;  // rows whose scores are computed together against one key tile
+constexpr int64_t kRowBlock = 12;  // rows whose scores are computed together against one key tile
 
 struct Task {
   int64_t seq, head, first, count;  // prompt: queries [first, first + count) of sequence `seq`;
@@ -135,7 +135,7 @@ struct Rows {
   int32_t low[kMaxRows];
   alignas(64) float acc[kMaxRows][DIM];
   float m[kMaxRows];
-  float l[kMaxRows];
+  alignas(64) float lv[kMaxRows][16];  // per row, the softmax denominators' partial sums by lane
 
   void add(const Bf16* query, int64_t position, int64_t first_visible) {
     q[n] = reinterpret_cast<const int32_t*>(query);
@@ -143,8 +143,37 @@ struct Rows {
     low[n] = static_cast<int32_t>(first_visible);
     for (int64_t d = 0; d < DIM; ++d) acc[n][d] = 0.0f;
     m[n] = -1e30f;
-    l[n] = 0.0f;
+    for (int64_t i = 0; i < 16; ++i) lv[n][i] = 0.0f;
     ++n;
+  }
+
+  // sc[i] = the scores of rows q[0..N) against the 16 packed keys kp: N independent accumulators, so
+  // enough dot products are in flight to cover the instruction's latency.
+  template <int64_t N>
+  static inline void scores(const int32_t* const* qr, const int32_t (*kp)[16], __m512* sc) {
+    for (int64_t i = 0; i < N; ++i) sc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512bh kv = (__m512bh)_mm512_load_si512(kp[p]);
+      for (int64_t i = 0; i < N; ++i) sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(qr[i][p]), kv);
+    }
+  }
+
+  // scores<n> for a block's last n < kRowBlock rows (a decode sequence's own keys have only its heads'
+  // rows): no products for rows that are not there.
+  static inline void scores_dispatch(int64_t n, const int32_t* const* qr, const int32_t (*kp)[16], __m512* sc) {
+    switch (n) {
+      case 1: scores<1>(qr, kp, sc); break;
+      case 2: scores<2>(qr, kp, sc); break;
+      case 3: scores<3>(qr, kp, sc); break;
+      case 4: scores<4>(qr, kp, sc); break;
+      case 5: scores<5>(qr, kp, sc); break;
+      case 6: scores<6>(qr, kp, sc); break;
+      case 7: scores<7>(qr, kp, sc); break;
+      case 8: scores<8>(qr, kp, sc); break;
+      case 9: scores<9>(qr, kp, sc); break;
+      case 10: scores<10>(qr, kp, sc); break;
+      default: scores<11>(qr, kp, sc); break;
+    }
   }
 
   // Rows [row_begin, row_end) over keys [key_lo, key_hi) of `table`, in kv head h's pages.
@@ -185,48 +214,54 @@ struct Rows {
 
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kRowBlock) {
         __m512 sc[kRowBlock];
-        for (int64_t i = 0; i < kRowBlock; ++i) sc[i] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < kPairs; ++p) {
-          const __m512bh kv = (__m512bh)_mm512_load_si512(kp[p]);
-          for (int64_t i = 0; i < kRowBlock; ++i) {
-            sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(q[std::min(r0 + i, row_end - 1)][p]), kv);
-          }
-        }
         const int64_t live_rows = std::min<int64_t>(kRowBlock, row_end - r0);
+        if (live_rows == kRowBlock) {
+          scores<kRowBlock>(q + r0, kp, sc);
+        } else {
+          scores_dispatch(live_rows, q + r0, kp, sc);
+        }
         for (int64_t i = 0; i < live_rows; ++i) {
           const int64_t r = r0 + i;
           const __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos[r])) &
                                 _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(low[r]));
           if (!vis) continue;
           const __m512 x = _mm512_mask_blend_ps(vis, neg_inf, _mm512_mul_ps(sc[i], vscale));
-          const float m_tile = _mm512_reduce_max_ps(x);
           __m512 o[kChunks];
           for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_load_ps(acc[r] + 16 * c);
-          if (m_tile > m[r]) {  // the running maximum moved: rescale what was summed under the old one
+          // The running maximum moves only if some lane passes it: test that with one compare, and pay
+          // for the horizontal maximum only then (after a row's first tiles, rarely).
+          if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(m[r]), _CMP_GT_OQ)) {
+            const float m_tile = _mm512_reduce_max_ps(x);
             const float alpha = exp_nonpositive(m[r] - m_tile);
             const __m512 va = _mm512_set1_ps(alpha);
             for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_mul_ps(o[c], va);
-            l[r] *= alpha;
+            _mm512_store_ps(lv[r], _mm512_mul_ps(_mm512_load_ps(lv[r]), va));
             m[r] = m_tile;
           }
           const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
-          l[r] += _mm512_reduce_add_ps(pr);
+          _mm512_store_ps(lv[r], _mm512_add_ps(_mm512_load_ps(lv[r]), pr));
           alignas(32) int32_t pairs[8];
           _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pr));
-          for (int64_t j = 0; j < 8; ++j) {
+          // Two accumulators per chunk (even and odd key pairs), summed at the end: half the dependency
+          // chain of the dot products, which otherwise bounds this loop by their latency.
+          __m512 e[kChunks];
+          for (int64_t c = 0; c < kChunks; ++c) e[c] = _mm512_setzero_ps();
+          for (int64_t j = 0; j < 8; j += 2) {
             const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
+            const __m512bh pk = (__m512bh)_mm512_set1_epi32(pairs[j + 1]);
             for (int64_t c = 0; c < kChunks; ++c) {
               o[c] = _mm512_dpbf16_ps(o[c], pj, (__m512bh)_mm512_load_si512(vp[j] + 16 * c));
+              e[c] = _mm512_dpbf16_ps(e[c], pk, (__m512bh)_mm512_load_si512(vp[j + 1] + 16 * c));
             }
           }
-          for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(acc[r] + 16 * c, o[c]);
+          for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(acc[r] + 16 * c, _mm512_add_ps(o[c], e[c]));
         }
       }
     }
   }
 
   void write(int64_t r, Bf16* out) const {
-    const float inv = 1.0f / l[r];  // every query sees at least itself
+    const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lv[r]));  // every query sees at least itself
     for (int64_t d = 0; d < DIM; ++d) out[d] = static_cast<Bf16>(acc[r][d] * inv);
   }
 };
