@@ -126,19 +126,21 @@ class CpuKernelBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k_cache.is_contiguous():
+            torch.ops.kvpool.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_seqs:
             rows, tables, lows, lens = meta.decode_rows, meta.decode_tables, meta.decode_lows, meta.decode_lens
             assert rows is not None and tables is not None and lows is not None and lens is not None
-            qd = q[rows]
             if meta.decode_group_starts is not None:
-                od = torch.ops.kvpool.paged_decode_grouped(qd, k_cache, v_cache, tables, lens,
-                                                           meta.decode_group_starts, meta.decode_shared, scale,
-                                                           torch.empty_like(qd))
+                # Reads its rows of q and writes the same rows of out: no gather, no scatter.
+                torch.ops.kvpool.paged_decode_grouped(q.contiguous(), k_cache, v_cache, rows, tables, lens,
+                                                      meta.decode_group_starts, meta.decode_shared, scale, out)
             else:
-                od = self.decode_op(qd, k_cache, v_cache, tables, lows, lens, scale, torch.empty_like(qd))
-            out[rows] = od
+                qd = q[rows]
+                out[rows] = self.decode_op(qd, k_cache, v_cache, tables, lows, lens, scale, torch.empty_like(qd))
         if self.prefill:
             if meta.prefill_args:
                 self.prefill_op(q.contiguous(), k_cache, v_cache, *meta.prefill_args, meta.window or 0, scale, out)

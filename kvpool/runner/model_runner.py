@@ -161,6 +161,7 @@ class ModelRunner:
                                            prefill_kernel=self.prefill_kernel, cascade=enable_cascade)
         # Fused bf16 norm, rotary and SiLU-and-multiply: modules with a `fused` slot use them when set.
         self.fused_ops = self.decode_kernel and self.dtype == torch.bfloat16
+        self._argmax_bf16 = kernels.fused_ops().argmax_rows if self.fused_ops else None
         if self.fused_ops:
             for m in self.model.modules():
                 if hasattr(m, "fused"):
@@ -500,6 +501,10 @@ class ModelRunner:
             # One row per call, so always the one-row kernel, whatever the batch: as invariant as
             # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
+        elif all(s.sampling is None or s.sampling.temperature <= 0.0 for s in want):
+            # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
+            tokens = self.model.greedy_tokens(last, self._argmax_bf16).tolist()
+            return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}
         else:
             logits = self.model.compute_logits(last)
         params = [s.sampling for s in want]

@@ -1,4 +1,4 @@
-"""The fused bf16 ops (RMSNorm, SiLU-and-multiply, rotary) against the torch code they replace."""
+"""The fused bf16 ops (RMSNorm, SiLU-and-multiply, rotary, greedy argmax) against the torch code they replace."""
 
 from __future__ import annotations
 
@@ -68,3 +68,19 @@ def test_refuses_bad_input(ops) -> None:
         ops.rms_norm(x.float(), torch.ones(64, dtype=torch.bfloat16), 1e-5, torch.empty_like(x))
     with pytest.raises(RuntimeError, match="twice as wide"):
         ops.silu_and_mul(x, torch.empty(4, 2, 64, dtype=torch.bfloat16))
+
+
+def test_argmax_rows_is_torch_argmax_of_the_fp32_logits(ops) -> None:
+    g = torch.Generator().manual_seed(7)
+    # Few distinct values, so most rows have ties (the lowest index must win, across lanes and the tail).
+    x = torch.randint(-3, 4, (40, 1000), generator=g).to(torch.bfloat16)
+    x[0] = 0  # all tied: index 0
+    x[1, 999] = 9  # the max in the tail after the last whole 16 lanes
+    x[2, 17] = float("nan")  # torch: a NaN is the maximum
+    x[3, 5] = x[3, 700] = float("nan")  # the first NaN
+    x[4, :3] = -float("inf")
+    for rows in (x, x[:, :7], torch.randn(64, 49152, generator=g).to(torch.bfloat16)):
+        rows = rows.contiguous()
+        assert ops.argmax_rows(rows).tolist() == rows.float().argmax(dim=-1).tolist()
+    with pytest.raises(RuntimeError, match="logits must be a contiguous bfloat16"):
+        ops.argmax_rows(x.float())

@@ -148,25 +148,59 @@ def test_grouped_decode_matches_reference(op) -> None:
     # Groups of 3, 1 (nothing shared) and 40 (more rows than one task holds: split across tasks).
     q, kc, vc, tables, lens, starts, shared = grouped_scenario(
         [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])])
-    out = torch.full_like(q, float("nan"))
-    torch.ops.kvpool.paged_decode_grouped(q, kc, vc, tables, lens, starts, shared, 0.125, out)
-    rows = [(b, 1, int(n)) for b, n in enumerate(lens)]
+    # The decode rows sit among other rows of the step (a prompt chunk's), in another order: the kernel reads
+    # and writes only theirs.
+    b = q.shape[0]
+    row_of = (torch.randperm(b + 5, generator=torch.Generator().manual_seed(1))[:b]).long()
+    q_step = torch.randn(b + 5, *q.shape[1:]).to(torch.bfloat16)
+    q_step[row_of] = q
+    out = torch.full_like(q_step, float("nan"))
+    torch.ops.kvpool.paged_decode_grouped(q_step, kc, vc, row_of, tables, lens, starts, shared, 0.125, out)
+    rows = [(i, 1, int(n)) for i, n in enumerate(lens)]
     ref = reference(q, kc, vc, rows, [t[: -(-int(n) // 16)].tolist() for t, n in zip(tables, lens, strict=True)],
                     0, 0.125)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
-    assert (out.double() - ref).abs().mean() < 2e-3
+    others = torch.ones(b + 5, dtype=torch.bool)
+    others[row_of] = False
+    assert out[others].isnan().all()  # rows that are not decode rows: untouched
+    got = out[row_of]
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2)
+    assert (got.double() - ref).abs().mean() < 2e-3
 
 
 def test_grouped_decode_refuses_groups_that_share_nothing(op) -> None:
     q, kc, vc, tables, lens, starts, shared = grouped_scenario([(2, [40, 33])])
+    rows = torch.arange(2)
+    with pytest.raises(RuntimeError, match="sequence 1: row 7 is not in q's 2 rows"):
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, torch.tensor([0, 7]), tables, lens, starts, shared, 1.0,
+                                              torch.empty_like(q))
     bad = tables.clone()
     bad[1, 1] = bad[1, 2]
     with pytest.raises(RuntimeError, match="sequence 1 does not share block 1"):
-        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, bad, lens, starts, shared, 1.0, torch.empty_like(q))
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, rows, bad, lens, starts, shared, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="64 shared keys, but sequence 0 has 40"):
-        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, tables, lens, starts, torch.tensor([64]), 1.0,
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, rows, tables, lens, starts, torch.tensor([64]), 1.0,
                                               torch.empty_like(q))
     with pytest.raises(RuntimeError, match="group_starts must run from 0 to B"):
-        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, tables, lens, torch.tensor([0, 1]), torch.tensor([0]), 1.0,
-                                              torch.empty_like(q))
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, rows, tables, lens, torch.tensor([0, 1]), torch.tensor([0]),
+                                              1.0, torch.empty_like(q))
+
+
+def test_write_kv_matches_index_copy() -> None:
+    assert kernels.fused_ops() is not None, "the kernels must build on this machine"  # any CPU: no AVX-512 needed
+    # Strided k/v (views of a fused qkv projection), as the model hands them over.
+    g = torch.Generator().manual_seed(5)
+    kv_heads, nb, bs, dim, t = 3, 9, 16, 64, 21
+    qkv = torch.randn(t, 9 * dim + 2 * kv_heads * dim, generator=g).to(torch.bfloat16)
+    k = qkv[:, 9 * dim:9 * dim + kv_heads * dim].view(t, kv_heads, dim)
+    v = qkv[:, 9 * dim + kv_heads * dim:].view(t, kv_heads, dim)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    kc = torch.zeros(kv_heads, nb, bs, dim, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    torch.ops.kvpool.write_kv(k, v, kc, vc, slots)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    kr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, k.transpose(0, 1))
+    vr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    with pytest.raises(RuntimeError, match=r"token 0: slot 144 is outside the cache's 144 slots"):
+        torch.ops.kvpool.write_kv(k[:1], v[:1], kc, vc, torch.tensor([nb * bs]))

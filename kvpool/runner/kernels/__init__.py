@@ -25,7 +25,8 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp", HERE / "elementwise.cpp"]
+SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp", HERE / "elementwise.cpp",
+           HERE / "kv_write.cpp", HERE / "argmax.cpp"]
 HEADERS = [HERE / "common.h"]
 # -march=native: the library is built on the machine that runs it (the build dir is keyed by its CPU).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",

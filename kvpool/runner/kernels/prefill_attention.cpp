@@ -288,18 +288,18 @@ void prefill_task(const Paged& pg, const Seq& s, const Task& task, int64_t windo
 // One decode task: `task.count` single-query sequences from `task.first` on, sharing their first
 // `shared` keys (the same blocks), for one kv head. The shared keys are read once for all their rows.
 template <int64_t DIM>
-void decode_group_task(const Paged& pg, const int64_t* tables, int64_t width, const int64_t* lens, const Task& task,
-                       int64_t shared) {
+void decode_group_task(const Paged& pg, const int64_t* tables, int64_t width, const int64_t* lens, const int64_t* row_of,
+                       const Task& task, int64_t shared) {
   Rows<DIM> rows;
   const int64_t first = task.first, group = pg.group;
   for (int64_t b = first; b < first + task.count; ++b) {
-    for (int64_t g = 0; g < group; ++g) rows.add(pg.q + pg.at(b, task.head, g, DIM), lens[b] - 1, 0);
+    for (int64_t g = 0; g < group; ++g) rows.add(pg.q + pg.at(row_of[b], task.head, g, DIM), lens[b] - 1, 0);
   }
   rows.attend(0, rows.n, pg, task.head, tables + first * width, 0, shared);
   for (int64_t i = 0; i < task.count; ++i) {
     const int64_t b = first + i;
     rows.attend(i * group, (i + 1) * group, pg, task.head, tables + b * width, shared, lens[b]);
-    for (int64_t g = 0; g < group; ++g) rows.write(i * group + g, pg.out + pg.at(b, task.head, g, DIM));
+    for (int64_t g = 0; g < group; ++g) rows.write(i * group + g, pg.out + pg.at(row_of[b], task.head, g, DIM));
   }
 }
 
@@ -392,14 +392,18 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
-// Decode rows in groups that share leading blocks: q (B, heads, D) bf16, sequence b with table row b
-// of `tables` (B, W) and lens[b] keys (its query the last); the sequences of group i are rows
-// [group_starts[i], group_starts[i + 1]), and their first shared[i] keys lie in the same blocks.
+// Decode rows in groups that share leading blocks: q (T, heads, D) bf16, whose row rows[b] is the query
+// of sequence b (b < B), with table row b of `tables` (B, W) and lens[b] keys (its query the last); its
+// output goes to the same row of out (other rows are left alone: a step's prompt chunks write them). The
+// sequences of group i are [group_starts[i], group_starts[i + 1]), and their first shared[i] keys lie in
+// the same blocks.
 at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& group_starts,
-                                const at::Tensor& shared, double scale, at::Tensor out) {
+                                const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens,
+                                const at::Tensor& group_starts, const at::Tensor& shared, double scale, at::Tensor out) {
   check_paged_bf16(q, out, k_cache, v_cache);
-  const int64_t batch = q.size(0), heads = q.size(1);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "rows must be a contiguous int64 (B,) tensor");
+  const int64_t batch = rows.size(0), heads = q.size(1);
   [[maybe_unused]] const int64_t dim = q.size(2);  // used by the AVX-512 build only
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong &&
@@ -414,8 +418,10 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t* ln = lens.const_data_ptr<int64_t>();
   const int64_t* gs = group_starts.const_data_ptr<int64_t>();
   const int64_t* sh = shared.const_data_ptr<int64_t>();
+  const int64_t* ro = rows.const_data_ptr<int64_t>();
   TORCH_CHECK(gs[0] == 0 && gs[n_groups] == batch, "group_starts must run from 0 to B");
   for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(0 <= ro[b] && ro[b] < q.size(0), "sequence ", b, ": row ", ro[b], " is not in q's ", q.size(0), " rows");
     TORCH_CHECK(1 <= ln[b] && ln[b] <= width * block_size, "sequence ", b, ": ", ln[b], " keys do not fit its ", width,
                 " blocks");
     for (int64_t j = 0; j <= (ln[b] - 1) / block_size; ++j) {
@@ -443,7 +449,7 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
 #ifdef KVPOOL_AVX512_BF16
   const Paged pg(q, out, k_cache, v_cache, scale);
   auto* fn = dim == 64 ? &decode_group_task<64> : &decode_group_task<128>;
-  run_tasks(tasks, [&](const Task& t) { fn(pg, tp, width, ln, t, sh[t.seq]); });
+  run_tasks(tasks, [&](const Task& t) { fn(pg, tp, width, ln, ro, t, sh[t.seq]); });
 #endif
   return out;
 }
@@ -451,7 +457,7 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvpool, m) {
-  m.def("paged_decode_grouped(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
+  m.def("paged_decode_grouped(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor tables, Tensor lens, "
         "Tensor group_starts, Tensor shared, float scale, Tensor(a!) out) -> Tensor(a!)");
   m.impl("paged_decode_grouped", c10::DispatchKey::CPU, &paged_decode_grouped);
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_starts, Tensor q_lens, "

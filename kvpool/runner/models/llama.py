@@ -245,11 +245,24 @@ class LlamaForCausalLM(nn.Module):
     def rotary_for(self, layer: nn.Module) -> Rotary:
         return self.rotary
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection in the model's dtype."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
+            return self.packed_lm_head(hidden)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return F.linear(hidden, w)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.raw_logits(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor, argmax_bf16: Any = None) -> torch.Tensor:
+        """argmax of compute_logits, ties to the lowest id. `argmax_bf16` (kvpool's compiled op): read bf16
+        logits in place instead of widening them first; exact, since widening bf16 to fp32 changes no value.
+        Models that transform their logits (softcapping) override this."""
+        raw = self.raw_logits(hidden)
+        if argmax_bf16 is not None and raw.dtype == torch.bfloat16 and raw.is_contiguous():
+            return argmax_bf16(raw)
+        return raw.float().argmax(dim=-1)
 
     def pack_linears(self) -> None:
         """Swap every projection for its packed form (bf16 on the CPU); the weights stay as loaded."""

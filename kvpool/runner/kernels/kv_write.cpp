@@ -1,0 +1,53 @@
+// Writing a step's keys and values into the paged cache at their slots: one op for both tensors in place
+// of two index_copy_ calls, whose per-call overhead (and the transposed copies they make) dominated the
+// few kilobytes a decode step writes per layer.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// k, v: (T, kv_heads, D), D contiguous, any token and head strides (views of the fused qkv projection);
+// k_cache, v_cache: contiguous (kv_heads, blocks, block_size, D) of the same dtype; slots: (T,) int64,
+// token t goes to block slots[t] / block_size, offset slots[t] % block_size. Slots must be distinct.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be (T, kv_heads, head_dim) tensors with head_dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be contiguous (kv_heads, blocks, block_size, head_dim)");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(), "k, v and the caches must share one dtype");
+  TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
+              "slots must be a contiguous int64 (T,) tensor");
+  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t capacity = k_cache.size(1) * k_cache.size(2), head_stride = k_cache.stride(0);
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "token ", t, ": slot ", sp[t], " is outside the cache's ", capacity, " slots");
+  }
+  const int64_t elem = static_cast<int64_t>(k.element_size()), bytes = dim * elem;
+  const auto* kp = static_cast<const char*>(k.const_data_ptr());
+  const auto* vp = static_cast<const char*>(v.const_data_ptr());
+  auto* kc = static_cast<char*>(k_cache.mutable_data_ptr());
+  auto* vc = static_cast<char*>(v_cache.mutable_data_ptr());
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = (h * head_stride + sp[t] * dim) * elem;
+        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * elem, bytes);
+        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * elem, bytes);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvpool, m) {
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+}
