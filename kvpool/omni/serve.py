@@ -73,6 +73,11 @@ class PipelineWorker:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def num_waiting(self) -> int:
+        """Jobs queued and not yet taken into a batch."""
+        return self._inbox.qsize()
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvpool-omni", daemon=True)

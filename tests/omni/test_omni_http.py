@@ -176,3 +176,50 @@ def test_an_image_for_a_pipeline_without_vision(chat_llama_dir: Path, talker_dir
         assert httpx.get(f"{h.url}/health").json() == {"status": "ok"}
     finally:
         h.stop()
+
+
+def test_waiting_requests_run_as_one_batch_and_a_bad_one_fails_alone(omni: OmniServerHandle,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    pipe = omni.pipeline
+    generate, batches, entered, release = pipe.generate, [], threading.Event(), threading.Event()
+
+    def held_generate(prompts: list, *a: object, **kw: object) -> list:
+        batches.append(len(prompts))
+        if len(batches) == 1:  # hold the first run until the others wait behind it
+            entered.set()
+            assert release.wait(30)
+        return generate(prompts, *a, **kw)
+
+    monkeypatch.setattr(pipe, "generate", held_generate)
+    bodies = [chat(data_url(picture(4)), text="First."), chat(data_url(picture(5)), text="Second."),
+              chat(None, text="Too long?", max_tokens=100_000), chat(data_url(picture(6)), text="Third.")]
+    got: dict[int, httpx.Response] = {}
+
+    def send(i: int) -> None:
+        got[i] = post(omni, bodies[i])
+
+    threads = [threading.Thread(target=send, args=(0,))]
+    threads[0].start()
+    assert entered.wait(30)
+    threads += [threading.Thread(target=send, args=(i,)) for i in (1, 2, 3)]
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 30
+    while omni.worker.num_waiting < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(60)
+    # The three that waited ran as one batch; the bad one refused it, so each then ran alone.
+    assert batches == [1, 3, 1, 1, 1]
+    assert got[2].status_code == 400 and got[2].json()["error"]["param"] == "max_tokens"
+    assert got[2].json()["error"]["message"].startswith("max_tokens: 100000 new tokens after a ")
+    monkeypatch.setattr(pipe, "generate", generate)
+    for i in (0, 1, 3):  # batched or not, the same answer as alone (batch-invariant stages)
+        alone = post(omni, bodies[i]).json()
+        assert got[i].status_code == 200
+        assert got[i].json()["choices"] == alone["choices"] and got[i].json()["omni"]["codes"] == alone["omni"]["codes"]
+    assert_idle(omni)
