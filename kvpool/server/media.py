@@ -17,7 +17,8 @@ takes, or any image for a model that takes none. All of this happens before the 
 so a refused request never holds a KV block.
 
 The pixels then go through the model's own image processor (kvpool.runner.image_inputs) and the chat
-template places the model's image token where each image part was.
+template places the model's image token where each image part was. `kvpool omni-serve` (kvpool.omni.serve)
+reads and decodes its images with `decode_images` too, then preprocesses them for the omni thinker's tower.
 """
 
 from __future__ import annotations
