@@ -7,6 +7,9 @@ tokenizer and chat template on a tiny random Llama) with the seeded vision tower
   misses the cache and runs it again.
 - Refusals (bad base64, a remote URL, an image for a pipeline without a vision stage, streaming) are 400s naming
   the field, and leave both stages' KV pools idle.
+- Requests waiting while a batch runs go through as one batch, answered as they would be alone; a bad one among
+  them fails alone.
+- The tower's processor is the normalisation its docstring states.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.omni.pipeline import Pipeline, reference_pipeline
@@ -223,3 +227,21 @@ def test_waiting_requests_run_as_one_batch_and_a_bad_one_fails_alone(omni: OmniS
         assert got[i].status_code == 200
         assert got[i].json()["choices"] == alone["choices"] and got[i].json()["omni"]["codes"] == alone["omni"]["codes"]
     assert_idle(omni)
+
+
+def test_the_tower_processor_is_the_documented_normalisation() -> None:
+    from PIL import Image
+
+    from kvpool.runner.vision import TinyVisionEncoder
+
+    tower = TinyVisionEncoder(out_dim=64, image_size=8)
+    img = Image.open(io.BytesIO(picture(9, (21, 13))))
+    # RGB, resized to the tower's size (bicubic), scaled to [0, 1], normalised with mean = std = 0.5, (3, H, W).
+    want = np.asarray(img.convert("RGB").resize((8, 8), Image.Resampling.BICUBIC), dtype=np.float32) / 255
+    want = ((want - 0.5) / 0.5).transpose(2, 0, 1)
+    got = tower.preprocess(img)
+    assert got.dtype == torch.float32 and tuple(got.shape) == (3, 8, 8)
+    assert np.allclose(got.numpy(), want, atol=1e-6)
+    # A grayscale picture becomes three equal channels.
+    grey = tower.preprocess(img.convert("L"))
+    assert tuple(grey.shape) == (3, 8, 8) and torch.equal(grey[0], grey[1]) and torch.equal(grey[1], grey[2])
