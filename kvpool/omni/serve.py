@@ -98,6 +98,7 @@ class PipelineWorker:
         return fut
 
     def _run(self) -> None:
+        jobs: list[_Job] = []
         try:
             while True:
                 first = self._inbox.get()
@@ -116,16 +117,20 @@ class PipelineWorker:
                     self._generate(jobs)
                 if stop:
                     return
-        except BaseException as e:  # a bug in a step: fail the waiting requests loudly rather than hang them
+        except BaseException as e:  # a bug in a step: fail every request loudly rather than hang them
             log.exception("the omni pipeline failed; it is stopped")
             self.error = e
+            dead = RuntimeError(f"the omni pipeline stopped: {e!r}")
+            for j in jobs:  # the batch it failed in (when running each alone, those not reached yet)
+                if not j.future.done():
+                    j.future.set_exception(dead)
             while True:
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if item is not _STOP and item.future.set_running_or_notify_cancel():
-                    item.future.set_exception(RuntimeError(f"the omni pipeline stopped: {e!r}"))
+                    item.future.set_exception(dead)
 
     def _generate(self, jobs: list[_Job]) -> None:
         try:
@@ -141,7 +146,8 @@ class PipelineWorker:
             return
         except BaseException as e:
             for j in jobs:
-                j.future.set_exception(e)
+                if not j.future.done():
+                    j.future.set_exception(e)
             raise
         for j, o in zip(jobs, outs, strict=True):
             j.future.set_result(o)

@@ -245,3 +245,21 @@ def test_the_tower_processor_is_the_documented_normalisation() -> None:
     # A grayscale picture becomes three equal channels.
     grey = tower.preprocess(img.convert("L"))
     assert tuple(grey.shape) == (3, 8, 8) and torch.equal(grey[0], grey[1]) and torch.equal(grey[1], grey[2])
+
+
+def test_a_failing_pipeline_fails_its_requests_and_then_refuses(chat_llama_dir: Path, talker_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    h = start_omni_server(pipeline(chat_llama_dir, talker_dir, vision=False))
+    try:
+        def broken(*a: object, **kw: object) -> None:
+            raise RuntimeError("a bug in a step")
+
+        monkeypatch.setattr(h.pipeline, "generate", broken)
+        r = post(h, chat(None))
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "internal error: RuntimeError('a bug in a step')"
+        assert httpx.get(f"{h.url}/health").status_code == 503
+        r = post(h, chat(None))
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the omni pipeline is not running"
+    finally:
+        h.stop()
