@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
              "kvpool.cli:cmd_build_kernels")
     _command(sub, "omni", "the thinker -> talker pipeline: text, then codes", "kvpool.omni.cli:run",
              add=omni_cli.add_arguments)
+    _command(sub, "omni-serve", "serve the omni pipeline over the OpenAI-compatible chat API (images too)",
+             "kvpool.omni.serve:run", add=omni_cli.add_serve_arguments)
 
     bench = sub.add_parser("bench", help="benchmarks (each prints a table, and JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)

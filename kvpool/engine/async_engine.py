@@ -25,6 +25,7 @@ from kvpool.engine.engine import LLMEngine
 from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.image_inputs import ImageInputs
 from kvpool.runner.multimodal import MMInput
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,23 @@ class AsyncEngine:
     async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt token ids of a chat (on a worker thread: the engine tokenizes safely off its thread)."""
         return await asyncio.to_thread(self.engine.apply_chat_template, messages)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """`apply_chat_template`, blocking: for code already off the event loop (the tokenizer has its own lock,
+        so any thread may call it while the engine thread steps)."""
+        return self.engine.apply_chat_template(messages)
+
+    @property
+    def images(self) -> ImageInputs | None:
+        """The model's own image preprocessing (pictures -> mm_inputs); None when it takes no pictures."""
+        return self.engine.images
+
+    @property
+    def takes_image_tensors(self) -> bool:
+        """Whether the model takes images at all (perhaps only preprocessed, through the Python API): a
+        cross-attention model's image token, or a vision encoder in front of its embeddings."""
+        mm = self.engine.mm
+        return getattr(mm, "image_token_id", None) is not None or getattr(mm, "encoder", None) is not None
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (on the engine thread, before its next step)."""

@@ -22,15 +22,17 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.runner.multimodal import EmbedsInput, MMInput
+from kvpool.runner.multimodal import EmbedsInput, ImageInput, MMInput
 
 _LAYER = re.compile(r"layer_(\d+)")
 
@@ -62,10 +64,12 @@ class Stage:
                        stage_outputs=bool(config.outputs), stage_output_layers=config.output_layers(), **config.engine)
         self.engine = self.llm.engine
 
-    def run(self, prompts: Sequence[Sequence[int]], mm_inputs: Sequence[Sequence[MMInput]] | None = None
-            ) -> list[RequestOutput]:
-        """Run every prompt to completion (batched by the engine); outputs in the prompts' order."""
-        return self.llm.generate([list(p) for p in prompts], self.config.sampling, use_tqdm=False, mm_inputs=mm_inputs)
+    def run(self, prompts: Sequence[Sequence[int]], mm_inputs: Sequence[Sequence[MMInput]] | None = None,
+            sampling: Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the engine); outputs in the prompts' order. `sampling`: one
+        per prompt (default: the stage's own)."""
+        return self.llm.generate([list(p) for p in prompts], sampling or self.config.sampling, use_tqdm=False,
+                                 mm_inputs=mm_inputs)
 
 
 class Connector(nn.Module):
@@ -119,11 +123,33 @@ class Pipeline:
                                                seed=self.seed + i)
         return c
 
-    def generate(self, prompts: Sequence[Sequence[int]], mm_inputs: Sequence[Sequence[MMInput]] | None = None
-                 ) -> list[OmniOutput]:
-        """Each prompt (token ids; images as `ImageInput`s for the first stage) through every stage."""
+    @property
+    def vision_encoder(self) -> Any:
+        """The first stage's vision tower (a `TinyVisionEncoder`), or None: the pipeline takes no images."""
+        return getattr(self.stages[0].engine.mm, "encoder", None)
+
+    def image_prompt(self, ids: Sequence[int], images: Sequence[torch.Tensor | np.ndarray | str | Path]
+                     ) -> tuple[list[int], list[MMInput]]:
+        """The first stage's prompt and inputs for `ids` after `images` (pixel tensors, or `.npy` files): each
+        image takes its tower's `num_tokens` placeholder tokens, in order, before the text. `kvpool omni --image`
+        and `kvpool omni-serve` both place images so (a chat template renders text only, so the images cannot go
+        inside it)."""
+        if not images:
+            return list(ids), []
+        enc = self.vision_encoder
+        if enc is None:
+            raise ValueError("images: this pipeline's first stage has no vision stage (build it with vision=True)")
+        n = int(enc.num_tokens)
+        placed: list[MMInput] = [ImageInput(i * n, px) for i, px in enumerate(images)]
+        return [self.PLACEHOLDER] * (n * len(images)) + list(ids), placed
+
+    def generate(self, prompts: Sequence[Sequence[int]], mm_inputs: Sequence[Sequence[MMInput]] | None = None,
+                 sampling: Sequence[SamplingParams] | None = None) -> list[OmniOutput]:
+        """Each prompt (token ids; images as `ImageInput`s for the first stage) through every stage. `sampling`:
+        the first stage's, one per prompt (default: its `StageConfig`'s); later stages always sample as
+        configured."""
         t0 = time.perf_counter()
-        outs = self.stages[0].run(prompts, mm_inputs)
+        outs = self.stages[0].run(prompts, mm_inputs, sampling)
         results = [OmniOutput([o], []) for o in outs]
         for i in range(1, len(self.stages)):
             names = self.configs[i - 1].outputs

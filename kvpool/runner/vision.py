@@ -3,9 +3,18 @@ linear projector into a language model's hidden size. Seeded, so every process b
 
 It stands in for a real vision encoder: what kvpool exercises is the plumbing around one (content
 hashes in block hashes, embeddings replacing placeholder tokens, the encoder cache), not what it sees.
+
+Its processor (`TinyVisionEncoder.preprocess`) is SigLIP's own, transformers' `SiglipImageProcessorPil` sized to
+the tower: the picture converted to RGB, resized to image_size x image_size (bicubic), scaled to [0, 1], then
+normalised with mean 0.5 and std 0.5 per channel, so pixel values lie in [-1, 1], laid out (3, H, W) float32.
+The HTTP server (`kvpool omni-serve`) and Python callers share it, so the same picture gives the same tensor,
+and so the same content hash (prefix and encoder caches), whichever way it came in.
 """
 
 from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +42,22 @@ class TinyVisionEncoder(nn.Module):
         self.num_tokens = (image_size // patch_size) ** 2
         self.out_dim = out_dim
         self.eval()
+
+    @cached_property
+    def processor(self) -> Any:
+        """SigLIP's image processor (PIL backend: no torchvision needed) at the tower's image size."""
+        from transformers import SiglipImageProcessorPil
+
+        return SiglipImageProcessorPil(size={"height": self.image_size, "width": self.image_size})
+
+    def preprocess(self, image: Any) -> torch.Tensor:
+        """A PIL image -> the tower's input (3, image_size, image_size) float32 in [-1, 1]; ValueError (in the
+        processor's words) when it refuses the image."""
+        try:
+            pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"][0]
+        except Exception as e:  # the processor's own checks (mode, channels) in its own words
+            raise ValueError(f"the image processor refused the image: {e}") from None
+        return pixels.float().contiguous()
 
     def check(self, pixels: torch.Tensor) -> None:
         want = (3, self.image_size, self.image_size)

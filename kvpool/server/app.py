@@ -99,7 +99,33 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{field}: {' / '.join(msgs[:4])}", field)
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """401 unless the request carries 'Authorization: Bearer <api_key>' (no key configured: anyone)."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error object: ours (APIError), routing's (404/405), and anything else (500)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return APIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {e!r}").response()
+
+
+def usage_json(out: RequestOutput) -> dict[str, Any]:
     n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
@@ -134,25 +160,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     created = int(time.time())
     media = media or MediaOptions()
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {e!r}").response()
+    add_error_handlers(app)
 
     def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
+        check_api_key(request, api_key)
 
     def loras() -> dict[str, LoRARequest]:
         return {r.lora_name: r for r in engine.list_loras()}
@@ -222,7 +233,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                         yield f"data: {json.dumps(chunk(text, out, out.finished))}\n\n"
                 if include_usage and out is not None:
                     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                            "choices": [], "usage": _usage(out)}
+                            "choices": [], "usage": usage_json(out)}
                     yield f"data: {json.dumps(body)}\n\n"
             except EngineDeadError as e:
                 yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[503], 'code': 503}})}\n\n"
@@ -342,7 +353,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                        params, include, rid, "text_completion", model=served)
         out = await finish(request, stream)
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": served, "choices": [choice(out.text, out, True)], "usage": _usage(out)})
+                             "model": served, "choices": [choice(out.text, out, True)], "usage": usage_json(out)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -354,7 +365,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         try:
             params = body.to_sampling_params()
             if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them
-                ids, mm = await asyncio.to_thread(chat_with_images, engine.engine, body.messages, media, model_name)
+                ids, mm = await asyncio.to_thread(chat_with_images, engine, body.messages, media, model_name)
             else:
                 ids = await engine.apply_chat_template(body.chat_messages())
         except ValueError as e:
@@ -379,6 +390,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served,
                              "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                                           "logprobs": None, "finish_reason": out.outputs[0].finish_reason}],
-                             "usage": _usage(out)})
+                             "usage": usage_json(out)})
 
     return app

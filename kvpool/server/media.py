@@ -17,7 +17,8 @@ takes, or any image for a model that takes none. All of this happens before the 
 so a refused request never holds a KV block.
 
 The pixels then go through the model's own image processor (kvpool.runner.image_inputs) and the chat
-template places the model's image token where each image part was.
+template places the model's image token where each image part was. `kvpool omni-serve` (kvpool.omni.serve)
+reads and decodes its images with `decode_images` too, then preprocesses them for the omni thinker's tower.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.runner.multimodal import MMInput
 from kvpool.server.protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from kvpool.runner.image_inputs import ImageInputs
 
 # Formats a client may send (what OpenAI's API takes, plus BMP); Pillow reads more, but each decoder is attack
 # surface that vision models' users do not need.
@@ -174,7 +178,27 @@ def _template_messages(messages: Sequence[ChatMessage], image_token: str | None)
     return out
 
 
-def chat_with_images(engine: Any, messages: Sequence[ChatMessage], opts: MediaOptions, model_name: str
+def decode_images(messages: Sequence[ChatMessage], opts: MediaOptions) -> list[tuple[str, Any]]:
+    """(JSON path, decoded PIL image) of every image part, in order: read, size-checked and decoded (blocking: run
+    it off the event loop). Raises ValueError naming the part at fault. Any server taking pictures (`kvpool serve`,
+    `kvpool omni-serve`) goes through here, so they all refuse the same things in the same words."""
+    return [(where, decode_image(read_image_bytes(url, where, opts), where, opts))
+            for where, url in image_parts(messages)]
+
+
+class ImageChatModel(Protocol):
+    """What `chat_with_images` needs of a served model (kvpool.engine.async_engine.AsyncEngine has it)."""
+
+    @property
+    def images(self) -> ImageInputs | None: ...
+
+    @property
+    def takes_image_tensors(self) -> bool: ...
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+def chat_with_images(engine: ImageChatModel, messages: Sequence[ChatMessage], opts: MediaOptions, model_name: str
                      ) -> tuple[list[int], list[MMInput]]:
     """The prompt's token ids and the engine's inputs for a chat holding image parts (blocking: run it off the
     event loop). Raises ValueError naming the part at fault."""
@@ -182,7 +206,7 @@ def chat_with_images(engine: Any, messages: Sequence[ChatMessage], opts: MediaOp
     images = engine.images
     if images is None:
         where = parts[0][0]
-        if getattr(engine.mm, "image_token_id", None) is not None or getattr(engine.mm, "encoder", None) is not None:
+        if engine.takes_image_tensors:
             # (a cross-attention model without its processor, or an omni thinker's tower)
             raise ValueError(f"{where}: the model `{model_name}` has no image processor "
                              f"(preprocessor_config.json); pass preprocessed images through the Python API")
@@ -191,14 +215,13 @@ def chat_with_images(engine: Any, messages: Sequence[ChatMessage], opts: MediaOp
         raise ValueError(f"{parts[images.max_images][0]}: the model `{model_name}` takes at most "
                          f"{images.max_images} image(s) per request, got {len(parts)}")
     mm: list[MMInput] = []
-    for where, url in parts:
-        img = decode_image(read_image_bytes(url, where, opts), where, opts)
+    for where, img in decode_images(messages, opts):
         try:
             mm += images.process([img])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
     try:
-        ids = engine.apply_chat_template(_template_messages(messages, None))
+        ids = engine.render_chat(_template_messages(messages, None))
     except ValueError:
         raise
     except Exception:  # e.g. a template that concatenates contents as strings; try that form below
@@ -206,7 +229,7 @@ def chat_with_images(engine: Any, messages: Sequence[ChatMessage], opts: MediaOp
     if ids is None or ids.count(images.image_token_id) != len(parts):
         # A template that renders only string contents: put the image token's text in place of each image.
         try:
-            ids = engine.apply_chat_template(_template_messages(messages, images.image_token))
+            ids = engine.render_chat(_template_messages(messages, images.image_token))
         except ValueError:
             raise
         except Exception as e:  # the template refused the conversation (e.g. roles out of order)

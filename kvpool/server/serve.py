@@ -71,21 +71,31 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
     return app, async_engine, metrics, publisher
 
 
-def start_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> ServerHandle:
-    """A real server on a background thread; port 0 picks a free one."""
-    app, async_engine, metrics, publisher = build(engine, **kw)
-    async_engine.start()
+def serve_in_thread(app: Any, host: str, port: int) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """Run `app` with uvicorn on a background thread, once it listens: (URL, server, thread); port 0 picks a
+    free one. RuntimeError when it does not start (the caller stops what it started for it)."""
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, name="kvpool-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            async_engine.shutdown()
             raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
         time.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
-    return ServerHandle(f"http://{host}:{bound}", async_engine, metrics, server, thread, publisher)
+    return f"http://{host}:{bound}", server, thread
+
+
+def start_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> ServerHandle:
+    """A real server on a background thread; port 0 picks a free one."""
+    app, async_engine, metrics, publisher = build(engine, **kw)
+    async_engine.start()
+    try:
+        url, server, thread = serve_in_thread(app, host, port)
+    except RuntimeError:
+        async_engine.shutdown()
+        raise
+    return ServerHandle(url, async_engine, metrics, server, thread, publisher)
 
 
 def media_options(args: argparse.Namespace) -> MediaOptions:

@@ -26,7 +26,7 @@ import pytest
 import torch
 from server_helpers import make_engine
 
-from kvpool.engine.async_engine import StepReport
+from kvpool.engine.async_engine import AsyncEngine, StepReport
 from kvpool.engine.llm import LLM
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
@@ -214,7 +214,7 @@ def test_a_template_that_takes_only_strings_gets_the_image_token_in_the_text(cha
     eng = make_engine(chat_mllama_dir, block_size=BS)
     eng.tokenizer.chat_template = (smol_dir / "chat_template.jinja").read_text()  # renders content as a string
     body = ChatCompletionRequest.model_validate(chat(data_url(picture(1)), text="Hi there"))
-    ids, mm = chat_with_images(eng, body.messages, MediaOptions(), "vis")
+    ids, mm = chat_with_images(AsyncEngine(eng), body.messages, MediaOptions(), "vis")
     assert len(mm) == 1 and ids.count(eng.images.image_token_id) == 1
     assert ids == eng.apply_chat_template([{"role": "user", "content": "<|image|>Hi there"}])
 
@@ -348,6 +348,6 @@ def test_an_engine_with_a_vision_tower_but_no_image_processor(chat_llama_dir: Pa
     eng = make_engine(chat_llama_dir, vision_encoder=TinyVisionEncoder(out_dim=64), num_blocks=32)
     body = ChatCompletionRequest.model_validate(chat(data_url(picture(1))))
     with pytest.raises(ValueError) as e:
-        chat_with_images(eng, body.messages, MediaOptions(), "omni")
+        chat_with_images(AsyncEngine(eng), body.messages, MediaOptions(), "omni")
     assert str(e.value) == (f"{P0}: the model `omni` has no image processor (preprocessor_config.json); pass "
                             "preprocessed images through the Python API")
