@@ -9,6 +9,12 @@
 // repacked into pairs along head_dim (keys) or along tokens (values), both products run on the bf16
 // dot-product instruction (exact products, fp32 sums), with an online softmax in fp32 between them.
 // Probabilities are rounded to bf16 for the value product, as PyTorch's CPU flash kernel does.
+//
+// Register blocking: scores are computed for 12 rows against two tiles at once (each query value loaded
+// serves 32 keys), and value products for 4 rows at once (each value chunk loaded serves 4 rows), so the
+// loop is bound by the dot products rather than by loads. A row's own arithmetic (its scores, its
+// softmax tile by tile, the order of its sums) never depends on which rows or tiles share a call: that is
+// what keeps bf16 tokens identical with prefix caching on or off and at any chunk size.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -147,114 +153,158 @@ struct Rows {
     ++n;
   }
 
-  // sc[i] = the scores of rows q[0..N) against the 16 packed keys kp: N independent accumulators, so
-  // enough dot products are in flight to cover the instruction's latency.
+  // sc[i][u] = the scores of rows q[0..N) against the 16 packed keys kp[u], for the nt (1 or 2) tiles
+  // given. Each query pair loaded (broadcast) serves both tiles, and the N x nt accumulators are
+  // independent, enough to cover the dot product's latency.
   template <int64_t N>
-  static inline void scores(const int32_t* const* qr, const int32_t (*kp)[16], __m512* sc) {
-    for (int64_t i = 0; i < N; ++i) sc[i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kPairs; ++p) {
-      const __m512bh kv = (__m512bh)_mm512_load_si512(kp[p]);
-      for (int64_t i = 0; i < N; ++i) sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(qr[i][p]), kv);
+  static inline void scores(const int32_t* const* qr, const int32_t (*kp)[kPairs][16], int64_t nt, __m512 (*sc)[2]) {
+    if (nt == 2) {
+      for (int64_t i = 0; i < N; ++i) sc[i][0] = sc[i][1] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < kPairs; ++p) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kp[0][p]), k1 = (__m512bh)_mm512_load_si512(kp[1][p]);
+        for (int64_t i = 0; i < N; ++i) {
+          const __m512bh qi = (__m512bh)_mm512_set1_epi32(qr[i][p]);
+          sc[i][0] = _mm512_dpbf16_ps(sc[i][0], qi, k0);
+          sc[i][1] = _mm512_dpbf16_ps(sc[i][1], qi, k1);
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < N; ++i) sc[i][0] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < kPairs; ++p) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kp[0][p]);
+        for (int64_t i = 0; i < N; ++i) sc[i][0] = _mm512_dpbf16_ps(sc[i][0], (__m512bh)_mm512_set1_epi32(qr[i][p]), k0);
+      }
     }
   }
 
   // scores<n> for a block's last n < kRowBlock rows (a decode sequence's own keys have only its heads'
   // rows): no products for rows that are not there.
-  static inline void scores_dispatch(int64_t n, const int32_t* const* qr, const int32_t (*kp)[16], __m512* sc) {
+  static inline void scores_dispatch(int64_t n, const int32_t* const* qr, const int32_t (*kp)[kPairs][16], int64_t nt,
+                                     __m512 (*sc)[2]) {
     switch (n) {
-      case 1: scores<1>(qr, kp, sc); break;
-      case 2: scores<2>(qr, kp, sc); break;
-      case 3: scores<3>(qr, kp, sc); break;
-      case 4: scores<4>(qr, kp, sc); break;
-      case 5: scores<5>(qr, kp, sc); break;
-      case 6: scores<6>(qr, kp, sc); break;
-      case 7: scores<7>(qr, kp, sc); break;
-      case 8: scores<8>(qr, kp, sc); break;
-      case 9: scores<9>(qr, kp, sc); break;
-      case 10: scores<10>(qr, kp, sc); break;
-      default: scores<11>(qr, kp, sc); break;
+      case 1: scores<1>(qr, kp, nt, sc); break;
+      case 2: scores<2>(qr, kp, nt, sc); break;
+      case 3: scores<3>(qr, kp, nt, sc); break;
+      case 4: scores<4>(qr, kp, nt, sc); break;
+      case 5: scores<5>(qr, kp, nt, sc); break;
+      case 6: scores<6>(qr, kp, nt, sc); break;
+      case 7: scores<7>(qr, kp, nt, sc); break;
+      case 8: scores<8>(qr, kp, nt, sc); break;
+      case 9: scores<9>(qr, kp, nt, sc); break;
+      case 10: scores<10>(qr, kp, nt, sc); break;
+      default: scores<11>(qr, kp, nt, sc); break;
+    }
+  }
+
+  // Rows [r, r + N) add their probabilities' products with the tile's values: acc[row] += sum over key
+  // pairs j, in order, of pb[row][j] (two bf16 probabilities) times vp[j]. The value chunks loaded serve
+  // all N rows; each row's sum is the same chain of operations whichever rows share the call.
+  template <int64_t N>
+  inline void add_values(int64_t r, const int32_t (*pb)[8], const int32_t (*vp)[DIM]) {
+    __m512 o[N][kChunks];
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t c = 0; c < kChunks; ++c) o[i][c] = _mm512_load_ps(acc[r + i] + 16 * c);
+    }
+    for (int64_t j = 0; j < 8; ++j) {
+      __m512bh vj[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) vj[c] = (__m512bh)_mm512_load_si512(vp[j] + 16 * c);
+      for (int64_t i = 0; i < N; ++i) {
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32(pb[i][j]);
+        for (int64_t c = 0; c < kChunks; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pj, vj[c]);
+      }
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(acc[r + i] + 16 * c, o[i][c]);
     }
   }
 
   // Rows [row_begin, row_end) over keys [key_lo, key_hi) of `table`, in kv head h's pages.
   void attend(int64_t row_begin, int64_t row_end, const Paged& pg, int64_t h, const int64_t* table, int64_t key_lo,
               int64_t key_hi) {
+    // Rows sharing one load of a value chunk in add_values: as many as keep their sums in registers.
+    constexpr int64_t kPvRows = DIM == 64 ? 4 : 2;
     const Bf16* k = pg.k + h * pg.s_head;
     const Bf16* v = pg.v + h * pg.s_head;
     const int64_t block_size = pg.block_size, s_block = pg.s_block, s_token = pg.s_token;
-    alignas(64) int32_t kp[kPairs][16];  // kp[p][t]: key t's elements 2p, 2p+1
-    alignas(64) int32_t vp[8][DIM];      // vp[j][d]: element d of keys 2j, 2j+1
+    alignas(64) int32_t kp[2][kPairs][16];  // per tile u of two: kp[u][p][t]: key t's elements 2p, 2p+1
+    alignas(64) int32_t vp[2][8][DIM];      // vp[u][j][d]: element d of keys 2j, 2j+1
+    alignas(64) int32_t pb[kRowBlock][8];   // a row block's probabilities for one tile, as bf16 pairs
+    bool seen[kRowBlock];                   // whether the row sees any key of that tile
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 vscale = _mm512_set1_ps(pg.scale);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
 
-    for (int64_t t0 = key_lo - key_lo % 16; t0 < key_hi; t0 += 16) {
-      const int64_t block = table[t0 / block_size];
-      const int64_t off = t0 % block_size;
-      // Keys of this tile that any row may see; the others (before the window, past the context) are
-      // zeroed so that garbage in unused slots (even NaN) cannot reach a sum.
-      const int64_t lo = std::max<int64_t>(key_lo - t0, 0), hi = std::min<int64_t>(key_hi - t0, 16);
-      const Bf16* kb = k + block * s_block + off * s_token;
-      const Bf16* vb = v + block * s_block + off * s_token;
-      if (t0 + 16 < key_hi) {
-        // Blocks are scattered, so the hardware prefetcher cannot see the next tile coming: ask for it
-        // while this one computes (few rows per tile, as in decoding, leave little else to hide it).
-        const int64_t nt = t0 + 16;
-        const int64_t next = table[nt / block_size] * s_block + (nt % block_size) * s_token;
-        for (int64_t t = 0; t < 16; ++t) {
-          for (int64_t off = 0; off < DIM; off += 32) {
-            __builtin_prefetch(k + next + t * s_token + off);
-            __builtin_prefetch(v + next + t * s_token + off);
+    // Tiles of 16 keys at fixed positions (multiples of 16), two at a time; a row's softmax still moves
+    // tile by tile, so its result depends on the keys alone, not on which rows or tiles shared a call.
+    for (int64_t t0 = key_lo - key_lo % 16; t0 < key_hi; t0 += 32) {
+      const int64_t nt = t0 + 16 < key_hi ? 2 : 1;
+      for (int64_t u = 0; u < nt; ++u) {
+        const int64_t tu = t0 + 16 * u;
+        const int64_t block = table[tu / block_size];
+        const int64_t off = tu % block_size;
+        // Keys of this tile that any row may see; the others (before the window, past the context) are
+        // zeroed so that garbage in unused slots (even NaN) cannot reach a sum.
+        const int64_t lo = std::max<int64_t>(key_lo - tu, 0), hi = std::min<int64_t>(key_hi - tu, 16);
+        pack_keys<DIM>(k + block * s_block + off * s_token, s_token, lo, hi, kp[u]);
+        pack_values<DIM>(v + block * s_block + off * s_token, s_token, lo, hi, vp[u]);
+      }
+      if (t0 + 32 < key_hi) {
+        // Blocks are scattered, so the hardware prefetcher cannot see the next tiles coming: ask for them
+        // while these compute (few rows per tile, as in decoding, leave little else to hide it).
+        for (int64_t nt0 = t0 + 32; nt0 < std::min(t0 + 64, key_hi); nt0 += 16) {
+          const int64_t next = table[nt0 / block_size] * s_block + (nt0 % block_size) * s_token;
+          for (int64_t t = 0; t < 16; ++t) {
+            for (int64_t off = 0; off < DIM; off += 32) {
+              __builtin_prefetch(k + next + t * s_token + off);
+              __builtin_prefetch(v + next + t * s_token + off);
+            }
           }
         }
       }
-      pack_keys<DIM>(kb, s_token, lo, hi, kp);
-      pack_values<DIM>(vb, s_token, lo, hi, vp);
-      const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0)), lane);
 
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kRowBlock) {
-        __m512 sc[kRowBlock];
+        __m512 sc[kRowBlock][2];
         const int64_t live_rows = std::min<int64_t>(kRowBlock, row_end - r0);
         if (live_rows == kRowBlock) {
-          scores<kRowBlock>(q + r0, kp, sc);
+          scores<kRowBlock>(q + r0, kp, nt, sc);
         } else {
-          scores_dispatch(live_rows, q + r0, kp, sc);
+          scores_dispatch(live_rows, q + r0, kp, nt, sc);
         }
-        for (int64_t i = 0; i < live_rows; ++i) {
-          const int64_t r = r0 + i;
-          const __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos[r])) &
-                                _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(low[r]));
-          if (!vis) continue;
-          const __m512 x = _mm512_mask_blend_ps(vis, neg_inf, _mm512_mul_ps(sc[i], vscale));
-          __m512 o[kChunks];
-          for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_load_ps(acc[r] + 16 * c);
-          // The running maximum moves only if some lane passes it: test that with one compare, and pay
-          // for the horizontal maximum only then (after a row's first tiles, rarely).
-          if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(m[r]), _CMP_GT_OQ)) {
-            const float m_tile = _mm512_reduce_max_ps(x);
-            const float alpha = exp_nonpositive(m[r] - m_tile);
-            const __m512 va = _mm512_set1_ps(alpha);
-            for (int64_t c = 0; c < kChunks; ++c) o[c] = _mm512_mul_ps(o[c], va);
-            _mm512_store_ps(lv[r], _mm512_mul_ps(_mm512_load_ps(lv[r]), va));
-            m[r] = m_tile;
-          }
-          const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
-          _mm512_store_ps(lv[r], _mm512_add_ps(_mm512_load_ps(lv[r]), pr));
-          alignas(32) int32_t pairs[8];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pr));
-          // Two accumulators per chunk (even and odd key pairs), summed at the end: half the dependency
-          // chain of the dot products, which otherwise bounds this loop by their latency.
-          __m512 e[kChunks];
-          for (int64_t c = 0; c < kChunks; ++c) e[c] = _mm512_setzero_ps();
-          for (int64_t j = 0; j < 8; j += 2) {
-            const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
-            const __m512bh pk = (__m512bh)_mm512_set1_epi32(pairs[j + 1]);
-            for (int64_t c = 0; c < kChunks; ++c) {
-              o[c] = _mm512_dpbf16_ps(o[c], pj, (__m512bh)_mm512_load_si512(vp[j] + 16 * c));
-              e[c] = _mm512_dpbf16_ps(e[c], pk, (__m512bh)_mm512_load_si512(vp[j + 1] + 16 * c));
+        for (int64_t u = 0; u < nt; ++u) {
+          const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0 + 16 * u)), lane);
+          bool all_seen = true;
+          for (int64_t i = 0; i < live_rows; ++i) {
+            const int64_t r = r0 + i;
+            const __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos[r])) &
+                                  _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(low[r]));
+            seen[i] = vis != 0;
+            if (!vis) {
+              all_seen = false;
+              continue;
             }
+            const __m512 x = _mm512_mask_blend_ps(vis, neg_inf, _mm512_mul_ps(sc[i][u], vscale));
+            // The running maximum moves only if some lane passes it: test that with one compare, and pay
+            // for the horizontal maximum and the rescaling only then (after a row's first tiles, rarely).
+            if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(m[r]), _CMP_GT_OQ)) {
+              const float m_tile = _mm512_reduce_max_ps(x);
+              const __m512 va = _mm512_set1_ps(exp_nonpositive(m[r] - m_tile));
+              for (int64_t c = 0; c < kChunks; ++c) {
+                _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), va));
+              }
+              _mm512_store_ps(lv[r], _mm512_mul_ps(_mm512_load_ps(lv[r]), va));
+              m[r] = m_tile;
+            }
+            const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
+            _mm512_store_ps(lv[r], _mm512_add_ps(_mm512_load_ps(lv[r]), pr));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pb[i]), (__m256i)_mm512_cvtneps_pbh(pr));
           }
-          for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(acc[r] + 16 * c, _mm512_add_ps(o[c], e[c]));
+          int64_t i = 0;
+          if (all_seen) {
+            for (; i + kPvRows <= live_rows; i += kPvRows) add_values<kPvRows>(r0 + i, pb + i, vp[u]);
+          }
+          for (; i < live_rows; ++i) {
+            if (seen[i]) add_values<1>(r0 + i, pb + i, vp[u]);
+          }
         }
       }
     }
