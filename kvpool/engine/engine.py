@@ -143,7 +143,7 @@ class LLMEngine:
             from kvpool.store.engine_store import EngineStore
 
             self.store = EngineStore(config.kv_store, self.kv, self.runner.host_kv_caches, self.model_dir, bs,
-                                     deadline_s=config.kv_store_deadline_s)
+                                     deadline_s=config.kv_store_deadline_s, kv_layout=self.runner.kv_layout)
 
     def _longest_fitting_request(self, limit: int) -> int:
         """A request must fit the pool alone, so it can always finish once the others are preempted: the

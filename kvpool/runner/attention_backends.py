@@ -101,8 +101,13 @@ class CpuKernelBackend(AttentionBackend):
     name = "cpu-kernels"
 
     def __init__(self, block_size: int, dtype: torch.dtype, group_heads: int, *, prefill: bool,
-                 cascade: bool = True, min_cascade_tokens: int = MIN_CASCADE_TOKENS) -> None:
+                 cascade: bool = True, min_cascade_tokens: int = MIN_CASCADE_TOKENS, packed: bool = False) -> None:
         super().__init__(block_size, dtype, group_heads)
+        if packed and not prefill:
+            raise ValueError("packed: the packed KV layout is read by the bf16 prefill/grouped kernels only")
+        # The caches hold keys and values as the bf16 kernels read them (kvpool.runner.kernels.packed_layout):
+        # packed once as they are written, never again at each read.
+        self.packed = packed
         self.decode_op = kernels.paged_decode_attention()
         if self.decode_op is None:
             raise RuntimeError("CpuKernelBackend: kvpool's decode kernel did not build on this machine")
@@ -126,7 +131,9 @@ class CpuKernelBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if k_cache.is_contiguous():
+        if self.packed:
+            torch.ops.kvpool.write_kv_packed(k, v, k_cache, v_cache, meta.slot_mapping)
+        elif k_cache.is_contiguous():
             torch.ops.kvpool.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -137,13 +144,16 @@ class CpuKernelBackend(AttentionBackend):
             if meta.decode_group_starts is not None:
                 # Reads its rows of q and writes the same rows of out: no gather, no scatter.
                 torch.ops.kvpool.paged_decode_grouped(q.contiguous(), k_cache, v_cache, rows, tables, lens,
-                                                      meta.decode_group_starts, meta.decode_shared, scale, out)
+                                                      meta.decode_group_starts, meta.decode_shared, scale, out,
+                                                      self.packed)
             else:
+                assert not self.packed, "the packed layout needs every decode row grouped (full attention)"
                 qd = q[rows]
                 out[rows] = self.decode_op(qd, k_cache, v_cache, tables, lows, lens, scale, torch.empty_like(qd))
         if self.prefill:
             if meta.prefill_args:
-                self.prefill_op(q.contiguous(), k_cache, v_cache, *meta.prefill_args, meta.window or 0, scale, out)
+                self.prefill_op(q.contiguous(), k_cache, v_cache, *meta.prefill_args, meta.window or 0, scale, out,
+                                self.packed)
             return out
         acc, lse = _partials(q, meta)
         torch_chunk_rows(q, k, v, k_cache, v_cache, meta, scale, out, acc, lse)
@@ -173,10 +183,11 @@ def _partials(q: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor | 
 
 
 def select_backend(*, block_size: int, dtype: torch.dtype, group_heads: int, batch_invariant: bool,
-                   decode_kernel: bool, prefill_kernel: bool, cascade: bool) -> AttentionBackend:
+                   decode_kernel: bool, prefill_kernel: bool, cascade: bool, packed: bool = False) -> AttentionBackend:
     """The runner's backend, chosen once from what this model, dtype and machine allow."""
     if batch_invariant:
         return BatchInvariantBackend(block_size, dtype, group_heads)
     if decode_kernel:
-        return CpuKernelBackend(block_size, dtype, group_heads, prefill=prefill_kernel, cascade=cascade)
+        return CpuKernelBackend(block_size, dtype, group_heads, prefill=prefill_kernel, cascade=cascade,
+                                packed=packed)
     return TorchBackend(block_size, dtype, group_heads, cascade=cascade)

@@ -154,11 +154,17 @@ class ModelRunner:
                               and kernels.paged_decode_attention() is not None)
         self.prefill_kernel = (self.decode_kernel and self.dtype == torch.bfloat16
                                and kernels.prefill_supported(arch.head_dim, block_size))
+        # Keys and values stored as the bf16 kernels read them, where those kernels read every layer's cache
+        # (full attention: windowed decode rows and cross-attention read the standard layout; state models
+        # share byte pages with state layers).
+        self.packed_kv = (self.prefill_kernel and all(w is None for w in arch.layer_windows) and not cross_layers
+                          and getattr(arch, "layer_state_shapes", None) is None)
         # The attention path, chosen once: it plans every attention group's metadata and computes it.
         self.attn_backend = select_backend(block_size=block_size, dtype=self.dtype,
                                            group_heads=arch.num_heads // arch.num_kv_heads,
                                            batch_invariant=batch_invariant, decode_kernel=self.decode_kernel,
-                                           prefill_kernel=self.prefill_kernel, cascade=enable_cascade)
+                                           prefill_kernel=self.prefill_kernel, cascade=enable_cascade,
+                                           packed=self.packed_kv)
         # Fused bf16 norm, rotary and SiLU-and-multiply: modules with a `fused` slot use them when set.
         self.fused_ops = self.decode_kernel and self.dtype == torch.bfloat16
         self._argmax_bf16 = kernels.fused_ops().argmax_rows if self.fused_ops else None
@@ -250,6 +256,13 @@ class ModelRunner:
         self.lora = LoRAManager(self.model, max_loras=max_loras, max_rank=max_lora_rank, dtype=self.dtype,
                                 device=self.device)
         return self.lora
+
+    @property
+    def kv_layout(self) -> str:
+        """How a block's bytes are ordered: "standard" ((kv_heads, block_size, head_dim) per K and V) or
+        "packed16" (kvpool.runner.kernels.packed_layout). Blocks of one are garbage to the other, so the
+        store's fingerprint carries it."""
+        return "packed16" if self.packed_kv else "standard"
 
     @property
     def max_model_len(self) -> int:

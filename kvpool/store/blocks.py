@@ -21,10 +21,14 @@ from kvpool.store.base import Fingerprint, model_identity
 Caches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def layout(caches: Caches) -> str:
+def layout(caches: Caches, kv_layout: str = "standard") -> str:
+    """The page layout in a fingerprint: shapes, dtype, byte order, and how a block orders its elements
+    (`kv_layout`: the runner's, "standard" or "packed16"; see ModelRunner.kv_layout)."""
     k = caches[0][0]
     heads, _, block, dim = k.shape
-    return f"L{len(caches)}:KV:{heads}x{block}x{dim}:{str(k.dtype).removeprefix('torch.')}:{sys.byteorder}"
+    text = f"L{len(caches)}:KV:{heads}x{block}x{dim}:{str(k.dtype).removeprefix('torch.')}:{sys.byteorder}"
+    # "standard" adds nothing, so entries written before the packed layout existed stay readable.
+    return text if kv_layout == "standard" else f"{text}:{kv_layout}"
 
 
 def block_nbytes(caches: Caches) -> int:
@@ -64,6 +68,7 @@ def scatter(caches: Caches, block_ids: Sequence[int], payloads: Sequence[bytes])
         v.index_copy_(1, idx, blocks[:, layer, 1].permute(1, 0, 2, 3))
 
 
-def fingerprint(model_dir: str | Path, caches: Caches, block_size: int, group: int = 0) -> Fingerprint:
+def fingerprint(model_dir: str | Path, caches: Caches, block_size: int, group: int = 0, *,
+                kv_layout: str = "standard") -> Fingerprint:
     return Fingerprint(model=model_identity(model_dir), dtype=str(caches[0][0].dtype).removeprefix("torch."),
-                       block_size=block_size, group=group, layout=layout(caches))
+                       block_size=block_size, group=group, layout=layout(caches, kv_layout))

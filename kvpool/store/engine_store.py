@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class EngineStore:
     def __init__(self, url: str, kv: KVCacheManager, host_caches: Any, model_dir: Path, block_size: int, *,
-                 deadline_s: float = 2.0) -> None:
+                 deadline_s: float = 2.0, kv_layout: str = "standard") -> None:
         if kv.host is None or not host_caches:
             raise ValueError("kv_store: the store sits below the host tier; give the engine one (--swap-space)")
         if kv.num_groups != 1 or kv.host.typed or len(kv.host.pools) != 1:
@@ -45,7 +45,7 @@ class EngineStore:
         self.caches = host_caches
         self.pool = kv.host.pools[0]
         self.block_size = block_size
-        fp = fingerprint(model_dir, host_caches, block_size)
+        fp = fingerprint(model_dir, host_caches, block_size, kv_layout=kv_layout)
         self.tier = StoreTier(StoreWorker(BlockStore(open_store(url), fp)), deadline_s=deadline_s,
                               block_bytes=block_nbytes(host_caches))
         self.url = url

@@ -36,6 +36,7 @@ def test_bf16_kernels_on_and_off_differ_only_at_near_ties(smol_dir: Path) -> Non
         runner = llm.engine.runner
         assert runner.decode_kernel is native
         assert runner.prefill_kernel is (native and kernels.prefill_supported(64, 16))
+        assert runner.packed_kv is runner.prefill_kernel  # the caches in the kernels' own layout
         prompts = [llm.engine.apply_chat_template([{"role": "system", "content": SYSTEM},
                                                    {"role": "user", "content": q}]) for q in QUESTIONS]
         outs = llm.generate(prompts, SamplingParams.greedy(24), use_tqdm=False)

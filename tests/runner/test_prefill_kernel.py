@@ -204,3 +204,40 @@ def test_write_kv_matches_index_copy() -> None:
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
     with pytest.raises(RuntimeError, match=r"token 0: slot 144 is outside the cache's 144 slots"):
         torch.ops.kvpool.write_kv(k[:1], v[:1], kc, vc, torch.tensor([nb * bs]))
+
+
+def test_packed_caches_give_identical_results(op) -> None:
+    # The same caches in the kernel's own layout (written once, read in place): bit-identical outputs, for
+    # prompt chunks over cached context and for grouped decode rows (unused slots hold NaN in both).
+    q, kc, vc, tables, lens, starts, shared = grouped_scenario(
+        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])])
+    pk, pv = kernels.packed_layout(kc, vc)
+    rows = torch.arange(q.shape[0])
+    outs = [torch.ops.kvpool.paged_decode_grouped(q, k, v, rows, tables, lens, starts, shared, 0.125,
+                                                  torch.empty_like(q), packed)
+            for k, v, packed in ((kc, vc, False), (pk, pv, True))]
+    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
+    # Prompt chunks: 3 sequences with 5, 17 and 30 queries at the end of their contexts, one with a window.
+    qs, ql = torch.tensor([0, 5, 22]), torch.tensor([5, 17, 30])
+    ctx = lens[:3].clone()
+    qp = torch.randn(52, 9, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for window in (0, 24):
+        got = [op(qp, k, v, qs, ql, ctx, tables[:3].contiguous(), window, 0.125, torch.empty_like(qp), packed)
+               for k, v, packed in ((kc, vc, False), (pk, pv, True))]
+        assert torch.equal(got[0], got[1]) and not got[0].isnan().any()
+
+
+def test_write_kv_packed_is_the_packed_layout_of_write_kv() -> None:
+    assert kernels.fused_ops() is not None, "the kernels must build on this machine"
+    g = torch.Generator().manual_seed(6)
+    kv_heads, nb, bs, dim, t = 3, 5, 32, 64, 50
+    k = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, 2 * kv_heads, dim, generator=g).to(torch.bfloat16)[:, ::2]  # strided heads
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    kc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
+    pk, pv = kernels.packed_layout(kc, vc)
+    torch.ops.kvpool.write_kv(k, v, kc, vc, slots)
+    torch.ops.kvpool.write_kv_packed(k, v, pk, pv, slots)
+    want_k, want_v = kernels.packed_layout(kc, vc)
+    assert torch.equal(pk, want_k) and torch.equal(pv, want_v)

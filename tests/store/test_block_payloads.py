@@ -44,6 +44,10 @@ def test_other_layout_gets_another_fingerprint(tiny_llama_dir: Path, tmp_path: P
     b = host_caches(2, torch.bfloat16, 0)
     assert layout(a) != layout(b)
     assert fingerprint(tiny_llama_dir, a, 16).digest != fingerprint(tiny_llama_dir, b, 16).digest
+    # Same shapes, elements ordered for the bf16 kernels: a replica running them never shares blocks with
+    # one that does not (an AVX2-only machine reading packed bytes would compute garbage).
+    assert (fingerprint(tiny_llama_dir, b, 16, kv_layout="packed16").digest
+            != fingerprint(tiny_llama_dir, b, 16).digest)
     other_model = tmp_path / "m"
     other_model.mkdir()
     (other_model / "config.json").write_text("{}")

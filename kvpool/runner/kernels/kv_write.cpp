@@ -45,9 +45,57 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
+// The same into caches laid out as the bf16 attention kernel reads them (prefill_attention.cpp's pack_keys
+// and pack_values, done once at write time instead of at every read): within a block, every 16 tokens
+// form a tile; a key tile is [head_dim / 2][16] pairs (key t's elements 2p, 2p + 1 at [p][t]), a value
+// tile [8][head_dim] pairs (element d of tokens 2j and 2j + 1 at [j][d]). Whole blocks keep their bytes
+// together, so swaps and the store copy them as before.
+void write_kv_packed(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                     const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be (T, kv_heads, head_dim) tensors with head_dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be contiguous (kv_heads, blocks, block_size, head_dim)");
+  TORCH_CHECK(k_cache.element_size() == 2 && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k, v and the caches must share one 16-bit dtype");
+  TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
+  TORCH_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(3) % 2 == 0, "packed caches need blocks of a multiple of 16 tokens");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
+              "slots must be a contiguous int64 (T,) tensor");
+  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), pairs = dim / 2;
+  const int64_t capacity = k_cache.size(1) * k_cache.size(2), head_stride = k_cache.stride(0);
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "token ", t, ": slot ", sp[t], " is outside the cache's ", capacity, " slots");
+  }
+  const auto* kp = static_cast<const uint16_t*>(k.const_data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v.const_data_ptr());
+  auto* kc = static_cast<uint16_t*>(k_cache.mutable_data_ptr());
+  auto* vc = static_cast<uint16_t*>(v_cache.mutable_data_ptr());
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t tile = sp[t] / 16, i = sp[t] % 16;  // tiles are whole within a block (16 | block_size)
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint16_t* ks = kp + t * k.stride(0) + h * k.stride(1);
+        const uint16_t* vs = vp + t * v.stride(0) + h * v.stride(1);
+        uint16_t* kt = kc + h * head_stride + tile * 16 * dim;
+        uint16_t* vt = vc + h * head_stride + tile * 16 * dim;
+        for (int64_t p = 0; p < pairs; ++p) {
+          kt[(p * 16 + i) * 2] = ks[2 * p];
+          kt[(p * 16 + i) * 2 + 1] = ks[2 * p + 1];
+        }
+        for (int64_t d = 0; d < dim; ++d) vt[((i / 2) * dim + d) * 2 + i % 2] = vs[d];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvpool, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+  m.def("write_kv_packed(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.impl("write_kv_packed", c10::DispatchKey::CPU, &write_kv_packed);
 }

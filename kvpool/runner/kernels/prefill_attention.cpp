@@ -55,12 +55,14 @@ struct Paged {
   const Bf16* v;
   int64_t heads, group, s_head, s_block, s_token, block_size;
   float scale;
+  bool packed;  // the caches hold every 16 tokens' keys and values as the kernel reads them (see write_kv_packed)
 
-  Paged(const at::Tensor& q_, at::Tensor& out_, const at::Tensor& k_cache, const at::Tensor& v_cache, double sc)
+  Paged(const at::Tensor& q_, at::Tensor& out_, const at::Tensor& k_cache, const at::Tensor& v_cache, double sc,
+        bool packed_)
       : q(q_.const_data_ptr<Bf16>()), out(out_.mutable_data_ptr<Bf16>()), k(k_cache.const_data_ptr<Bf16>()),
         v(v_cache.const_data_ptr<Bf16>()), heads(q_.size(1)), group(q_.size(1) / k_cache.size(0)),
         s_head(k_cache.stride(0)), s_block(k_cache.stride(1)), s_token(k_cache.stride(2)),
-        block_size(k_cache.size(2)), scale(static_cast<float>(sc)) {}
+        block_size(k_cache.size(2)), scale(static_cast<float>(sc)), packed(packed_) {}
 
   // Offset of query head g of kv head h in row `row` of q and out.
   int64_t at(int64_t row, int64_t h, int64_t g, int64_t dim) const { return (row * heads + h * group + g) * dim; }
@@ -127,6 +129,18 @@ inline void pack_values(const Bf16* values, int64_t s_token, int64_t lo, int64_t
   }
 }
 
+// A packed tile of 16 values (as pack_values lays them out) with the values outside [lo, hi) zeroed.
+template <int64_t DIM>
+inline void zero_outside(const int32_t (*src)[8][DIM], int64_t lo, int64_t hi, int32_t (*dst)[DIM]) {
+  for (int64_t j = 0; j < 8; ++j) {
+    const uint32_t keep = (2 * j >= lo && 2 * j < hi ? 0x0000FFFFu : 0u) | (2 * j + 1 >= lo && 2 * j + 1 < hi ? 0xFFFF0000u : 0u);
+    const __m512i m = _mm512_set1_epi32(static_cast<int32_t>(keep));
+    for (int64_t c = 0; c < DIM; c += 16) {
+      _mm512_store_si512(dst[j] + c, _mm512_and_si512(_mm512_loadu_si512((*src)[j] + c), m));
+    }
+  }
+}
+
 // Up to kMaxRows query rows attending together, with their online-softmax state: each row has its
 // query, the last position it sees (its own) and the first (a window's start, else 0). `attend` runs a
 // range of rows over a range of one block table's keys, so rows can read keys they share together
@@ -135,6 +149,8 @@ template <int64_t DIM>
 struct Rows {
   static constexpr int64_t kPairs = DIM / 2;  // int32 pairs of bf16 along head_dim
   static constexpr int64_t kChunks = DIM / 16;
+  using KTile = int32_t[kPairs][16];  // 16 keys: [p][t] = key t's elements 2p, 2p + 1
+  using VTile = int32_t[8][DIM];      // 16 values: [j][d] = element d of values 2j (low half), 2j + 1 (high)
   int64_t n = 0;
   const int32_t* q[kMaxRows];
   int32_t pos[kMaxRows];
@@ -157,11 +173,11 @@ struct Rows {
   // given. Each query pair loaded (broadcast) serves both tiles, and the N x nt accumulators are
   // independent, enough to cover the dot product's latency.
   template <int64_t N>
-  static inline void scores(const int32_t* const* qr, const int32_t (*kp)[kPairs][16], int64_t nt, __m512 (*sc)[2]) {
+  static inline void scores(const int32_t* const* qr, const KTile* const* kp, int64_t nt, __m512 (*sc)[2]) {
     if (nt == 2) {
       for (int64_t i = 0; i < N; ++i) sc[i][0] = sc[i][1] = _mm512_setzero_ps();
       for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512bh k0 = (__m512bh)_mm512_load_si512(kp[0][p]), k1 = (__m512bh)_mm512_load_si512(kp[1][p]);
+        const __m512bh k0 = (__m512bh)_mm512_load_si512((*kp[0])[p]), k1 = (__m512bh)_mm512_load_si512((*kp[1])[p]);
         for (int64_t i = 0; i < N; ++i) {
           const __m512bh qi = (__m512bh)_mm512_set1_epi32(qr[i][p]);
           sc[i][0] = _mm512_dpbf16_ps(sc[i][0], qi, k0);
@@ -171,7 +187,7 @@ struct Rows {
     } else {
       for (int64_t i = 0; i < N; ++i) sc[i][0] = _mm512_setzero_ps();
       for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512bh k0 = (__m512bh)_mm512_load_si512(kp[0][p]);
+        const __m512bh k0 = (__m512bh)_mm512_load_si512((*kp[0])[p]);
         for (int64_t i = 0; i < N; ++i) sc[i][0] = _mm512_dpbf16_ps(sc[i][0], (__m512bh)_mm512_set1_epi32(qr[i][p]), k0);
       }
     }
@@ -179,7 +195,7 @@ struct Rows {
 
   // scores<n> for a block's last n < kRowBlock rows (a decode sequence's own keys have only its heads'
   // rows): no products for rows that are not there.
-  static inline void scores_dispatch(int64_t n, const int32_t* const* qr, const int32_t (*kp)[kPairs][16], int64_t nt,
+  static inline void scores_dispatch(int64_t n, const int32_t* const* qr, const KTile* const* kp, int64_t nt,
                                      __m512 (*sc)[2]) {
     switch (n) {
       case 1: scores<1>(qr, kp, nt, sc); break;
@@ -200,7 +216,7 @@ struct Rows {
   // pairs j, in order, of pb[row][j] (two bf16 probabilities) times vp[j]. The value chunks loaded serve
   // all N rows; each row's sum is the same chain of operations whichever rows share the call.
   template <int64_t N>
-  inline void add_values(int64_t r, const int32_t (*pb)[8], const int32_t (*vp)[DIM]) {
+  inline void add_values(int64_t r, const int32_t (*pb)[8], const VTile& vp) {
     __m512 o[N][kChunks];
     for (int64_t i = 0; i < N; ++i) {
       for (int64_t c = 0; c < kChunks; ++c) o[i][c] = _mm512_load_ps(acc[r + i] + 16 * c);
@@ -226,8 +242,10 @@ struct Rows {
     const Bf16* k = pg.k + h * pg.s_head;
     const Bf16* v = pg.v + h * pg.s_head;
     const int64_t block_size = pg.block_size, s_block = pg.s_block, s_token = pg.s_token;
-    alignas(64) int32_t kp[2][kPairs][16];  // per tile u of two: kp[u][p][t]: key t's elements 2p, 2p+1
-    alignas(64) int32_t vp[2][8][DIM];      // vp[u][j][d]: element d of keys 2j, 2j+1
+    alignas(64) KTile kbuf[2];  // tiles packed here (from a standard cache, or a packed tile's edge)
+    alignas(64) VTile vbuf[2];
+    const KTile* kp[2];         // the two tiles' keys and values as the products read them
+    const VTile* vp[2];
     alignas(64) int32_t pb[kRowBlock][8];   // a row block's probabilities for one tile, as bf16 pairs
     bool seen[kRowBlock];                   // whether the row sees any key of that tile
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -245,8 +263,24 @@ struct Rows {
         // Keys of this tile that any row may see; the others (before the window, past the context) are
         // zeroed so that garbage in unused slots (even NaN) cannot reach a sum.
         const int64_t lo = std::max<int64_t>(key_lo - tu, 0), hi = std::min<int64_t>(key_hi - tu, 16);
-        pack_keys<DIM>(k + block * s_block + off * s_token, s_token, lo, hi, kp[u]);
-        pack_values<DIM>(v + block * s_block + off * s_token, s_token, lo, hi, vp[u]);
+        const Bf16* kb = k + block * s_block + off * s_token;
+        const Bf16* vb = v + block * s_block + off * s_token;
+        if (pg.packed) {
+          // Read in place. Scores of keys outside [lo, hi) are masked off whatever they hold; values there
+          // get probability 0, and 0 times garbage (a NaN in a never-written slot) must not reach a sum.
+          kp[u] = reinterpret_cast<const KTile*>(kb);
+          if (lo == 0 && hi == 16) {
+            vp[u] = reinterpret_cast<const VTile*>(vb);
+          } else {
+            zero_outside<DIM>(reinterpret_cast<const VTile*>(vb), lo, hi, vbuf[u]);
+            vp[u] = &vbuf[u];
+          }
+        } else {
+          pack_keys<DIM>(kb, s_token, lo, hi, kbuf[u]);
+          pack_values<DIM>(vb, s_token, lo, hi, vbuf[u]);
+          kp[u] = &kbuf[u];
+          vp[u] = &vbuf[u];
+        }
       }
       if (t0 + 32 < key_hi) {
         // Blocks are scattered, so the hardware prefetcher cannot see the next tiles coming: ask for them
@@ -300,10 +334,10 @@ struct Rows {
           }
           int64_t i = 0;
           if (all_seen) {
-            for (; i + kPvRows <= live_rows; i += kPvRows) add_values<kPvRows>(r0 + i, pb + i, vp[u]);
+            for (; i + kPvRows <= live_rows; i += kPvRows) add_values<kPvRows>(r0 + i, pb + i, *vp[u]);
           }
           for (; i < live_rows; ++i) {
-            if (seen[i]) add_values<1>(r0 + i, pb + i, vp[u]);
+            if (seen[i]) add_values<1>(r0 + i, pb + i, *vp[u]);
           }
         }
       }
@@ -376,7 +410,8 @@ void run_tasks(std::vector<Task>& tasks, const Fn& fn) {
 }
 
 // The checks both ops make of q, out and the caches.
-void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      bool packed) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
               "q must be a contiguous bfloat16 (rows, heads, head_dim) tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
@@ -390,6 +425,8 @@ void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tens
               "heads / kv_heads must be a whole number <= ", kMaxRows);
   TORCH_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
               "needs AVX-512 BF16, head_dim 64 or 128 and block_size a multiple of 16");
+  TORCH_CHECK(!packed || (k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3)),
+              "packed caches must have each block's tokens contiguous");
 }
 
 // q: (T, heads, D) bf16; k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
@@ -397,8 +434,9 @@ void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tens
 // `tables`, (S, W) int64). window > 0: each query sees that many most recent positions, itself included.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens,
-                                   const at::Tensor& tables, int64_t window, double scale, at::Tensor out) {
-  check_paged_bf16(q, out, k_cache, v_cache);
+                                   const at::Tensor& tables, int64_t window, double scale, at::Tensor out,
+                                   bool packed) {
+  check_paged_bf16(q, out, k_cache, v_cache, packed);
   const int64_t n_tok = q.size(0), heads = q.size(1);
   [[maybe_unused]] const int64_t dim = q.size(2);  // used by the AVX-512 build only
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
@@ -435,7 +473,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     }
   }
 #ifdef KVPOOL_AVX512_BF16
-  const Paged pg(q, out, k_cache, v_cache, scale);
+  const Paged pg(q, out, k_cache, v_cache, scale, packed);
   auto* fn = dim == 64 ? &prefill_task<64> : &prefill_task<128>;
   run_tasks(tasks, [&](const Task& t) { fn(pg, seqs[t.seq], t, window); });
 #endif
@@ -449,8 +487,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 // the same blocks.
 at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens,
-                                const at::Tensor& group_starts, const at::Tensor& shared, double scale, at::Tensor out) {
-  check_paged_bf16(q, out, k_cache, v_cache);
+                                const at::Tensor& group_starts, const at::Tensor& shared, double scale, at::Tensor out,
+                                bool packed) {
+  check_paged_bf16(q, out, k_cache, v_cache, packed);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
               "rows must be a contiguous int64 (B,) tensor");
   const int64_t batch = rows.size(0), heads = q.size(1);
@@ -497,7 +536,7 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
     }
   }
 #ifdef KVPOOL_AVX512_BF16
-  const Paged pg(q, out, k_cache, v_cache, scale);
+  const Paged pg(q, out, k_cache, v_cache, scale, packed);
   auto* fn = dim == 64 ? &decode_group_task<64> : &decode_group_task<128>;
   run_tasks(tasks, [&](const Task& t) { fn(pg, tp, width, ln, ro, t, sh[t.seq]); });
 #endif
@@ -508,10 +547,10 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
 
 TORCH_LIBRARY_FRAGMENT(kvpool, m) {
   m.def("paged_decode_grouped(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor tables, Tensor lens, "
-        "Tensor group_starts, Tensor shared, float scale, Tensor(a!) out) -> Tensor(a!)");
+        "Tensor group_starts, Tensor shared, float scale, Tensor(a!) out, bool packed=False) -> Tensor(a!)");
   m.impl("paged_decode_grouped", c10::DispatchKey::CPU, &paged_decode_grouped);
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_starts, Tensor q_lens, "
-        "Tensor ctx_lens, Tensor tables, int window, float scale, Tensor(a!) out) -> Tensor(a!)");
+        "Tensor ctx_lens, Tensor tables, int window, float scale, Tensor(a!) out, bool packed=False) -> Tensor(a!)");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
   m.def("prefill_supported(int head_dim, int block_size) -> bool", [](int64_t d, int64_t b) {
     return prefill_supported(d, b);
