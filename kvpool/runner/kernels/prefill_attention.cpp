@@ -10,9 +10,10 @@
 // dot-product instruction (exact products, fp32 sums), with an online softmax in fp32 between them.
 // Probabilities are rounded to bf16 for the value product, as PyTorch's CPU flash kernel does.
 //
-// Register blocking: scores are computed for 12 rows against two tiles at once (each query value loaded
-// serves 32 keys), and value products for 4 rows at once (each value chunk loaded serves 4 rows), so the
-// loop is bound by the dot products rather than by loads. A row's own arithmetic (its scores, its
+// Register blocking: scores are computed for up to 12 rows against several tiles at once (12 rows x 2
+// tiles, down to 3 rows x 8 tiles: each query value loaded serves 32-128 keys, ~24 sums in flight), and
+// value products for 3-4 rows at once (each value chunk loaded serves them all), so the loop is bound by
+// the dot products rather than by loads or their latency. A row's own arithmetic (its scores, its
 // softmax tile by tile, the order of its sums) never depends on which rows or tiles share a call: that is
 // what keeps bf16 tokens identical with prefix caching on or off and at any chunk size.
 #include <ATen/Parallel.h>
@@ -35,6 +36,7 @@ using Bf16 = c10::BFloat16;
 
 constexpr int64_t kMaxRows = 96;  // rows (query position x head of the group) of one task
 constexpr int64_t kRowBlock = 12;  // rows whose scores are computed together against one key tile
+constexpr int64_t kMaxTiles = 8;   // tiles of 16 keys read per pass (see Rows::tiles_for)
 
 struct Task {
   int64_t seq, head, first, count;  // prompt: queries [first, first + count) of sequence `seq`;
@@ -169,46 +171,58 @@ struct Rows {
     ++n;
   }
 
-  // sc[i][u] = the scores of rows q[0..N) against the 16 packed keys kp[u], for the nt (1 or 2) tiles
-  // given. Each query pair loaded (broadcast) serves both tiles, and the N x nt accumulators are
-  // independent, enough to cover the dot product's latency.
-  template <int64_t N>
-  static inline void scores(const int32_t* const* qr, const KTile* const* kp, int64_t nt, __m512 (*sc)[2]) {
-    if (nt == 2) {
-      for (int64_t i = 0; i < N; ++i) sc[i][0] = sc[i][1] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512bh k0 = (__m512bh)_mm512_load_si512((*kp[0])[p]), k1 = (__m512bh)_mm512_load_si512((*kp[1])[p]);
-        for (int64_t i = 0; i < N; ++i) {
-          const __m512bh qi = (__m512bh)_mm512_set1_epi32(qr[i][p]);
-          sc[i][0] = _mm512_dpbf16_ps(sc[i][0], qi, k0);
-          sc[i][1] = _mm512_dpbf16_ps(sc[i][1], qi, k1);
-        }
+  // sc[i][u0 + u] = the scores of rows q[0..N) against the 16 packed keys *kp[u], u < NT. Each query pair
+  // loaded (broadcast) serves NT tiles, and the N x NT accumulators are independent, enough to cover the
+  // dot product's latency. A score is the same sum in the same order whatever N and NT are.
+  template <int64_t N, int64_t NT>
+  static inline void scores(const int32_t* const* qr, const KTile* const* kp, __m512 (*sc)[kMaxTiles], int64_t u0) {
+    __m512 acc_[N][NT];
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t u = 0; u < NT; ++u) acc_[i][u] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < kPairs; ++p) {
+      __m512bh kv[NT];
+      for (int64_t u = 0; u < NT; ++u) kv[u] = (__m512bh)_mm512_load_si512((*kp[u])[p]);
+      for (int64_t i = 0; i < N; ++i) {
+        const __m512bh qi = (__m512bh)_mm512_set1_epi32(qr[i][p]);
+        for (int64_t u = 0; u < NT; ++u) acc_[i][u] = _mm512_dpbf16_ps(acc_[i][u], qi, kv[u]);
       }
-    } else {
-      for (int64_t i = 0; i < N; ++i) sc[i][0] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512bh k0 = (__m512bh)_mm512_load_si512((*kp[0])[p]);
-        for (int64_t i = 0; i < N; ++i) sc[i][0] = _mm512_dpbf16_ps(sc[i][0], (__m512bh)_mm512_set1_epi32(qr[i][p]), k0);
-      }
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t u = 0; u < NT; ++u) sc[i][u0 + u] = acc_[i][u];
     }
   }
 
-  // scores<n> for a block's last n < kRowBlock rows (a decode sequence's own keys have only its heads'
-  // rows): no products for rows that are not there.
+  // Tiles read per pass for a call over n rows: about 24 accumulators in flight whatever n is (a decode
+  // sequence's own keys have only its 3 heads' rows).
+  static constexpr int64_t tiles_for(int64_t n) { return n <= 3 ? 8 : n <= 6 ? 4 : 2; }
+
+  template <int64_t N>
+  static inline void scores_n(const int32_t* const* qr, const KTile* const* kp, int64_t nt, __m512 (*sc)[kMaxTiles]) {
+    constexpr int64_t NT = tiles_for(N);
+    if (nt == NT) {
+      scores<N, NT>(qr, kp, sc, 0);
+    } else {
+      for (int64_t u = 0; u < nt; ++u) scores<N, 1>(qr, kp + u, sc, u);  // a pass's last, partial group
+    }
+  }
+
+  // The scores of the first n <= kRowBlock rows of qr against nt tiles.
   static inline void scores_dispatch(int64_t n, const int32_t* const* qr, const KTile* const* kp, int64_t nt,
-                                     __m512 (*sc)[2]) {
+                                     __m512 (*sc)[kMaxTiles]) {
     switch (n) {
-      case 1: scores<1>(qr, kp, nt, sc); break;
-      case 2: scores<2>(qr, kp, nt, sc); break;
-      case 3: scores<3>(qr, kp, nt, sc); break;
-      case 4: scores<4>(qr, kp, nt, sc); break;
-      case 5: scores<5>(qr, kp, nt, sc); break;
-      case 6: scores<6>(qr, kp, nt, sc); break;
-      case 7: scores<7>(qr, kp, nt, sc); break;
-      case 8: scores<8>(qr, kp, nt, sc); break;
-      case 9: scores<9>(qr, kp, nt, sc); break;
-      case 10: scores<10>(qr, kp, nt, sc); break;
-      default: scores<11>(qr, kp, nt, sc); break;
+      case 1: scores_n<1>(qr, kp, nt, sc); break;
+      case 2: scores_n<2>(qr, kp, nt, sc); break;
+      case 3: scores_n<3>(qr, kp, nt, sc); break;
+      case 4: scores_n<4>(qr, kp, nt, sc); break;
+      case 5: scores_n<5>(qr, kp, nt, sc); break;
+      case 6: scores_n<6>(qr, kp, nt, sc); break;
+      case 7: scores_n<7>(qr, kp, nt, sc); break;
+      case 8: scores_n<8>(qr, kp, nt, sc); break;
+      case 9: scores_n<9>(qr, kp, nt, sc); break;
+      case 10: scores_n<10>(qr, kp, nt, sc); break;
+      case 11: scores_n<11>(qr, kp, nt, sc); break;
+      default: scores_n<12>(qr, kp, nt, sc); break;
     }
   }
 
@@ -242,10 +256,11 @@ struct Rows {
     const Bf16* k = pg.k + h * pg.s_head;
     const Bf16* v = pg.v + h * pg.s_head;
     const int64_t block_size = pg.block_size, s_block = pg.s_block, s_token = pg.s_token;
-    alignas(64) KTile kbuf[2];  // tiles packed here (from a standard cache, or a packed tile's edge)
-    alignas(64) VTile vbuf[2];
-    const KTile* kp[2];         // the two tiles' keys and values as the products read them
-    const VTile* vp[2];
+    alignas(64) KTile kbuf[kMaxTiles];  // tiles packed here (from a standard cache, or a packed tile's edge)
+    alignas(64) VTile vbuf[kMaxTiles];
+    const KTile* kp[kMaxTiles];         // the pass's tiles' keys and values as the products read them
+    const VTile* vp[kMaxTiles];
+    const int64_t per_pass = tiles_for(std::min<int64_t>(row_end - row_begin, kRowBlock));
     alignas(64) int32_t pb[kRowBlock][8];   // a row block's probabilities for one tile, as bf16 pairs
     bool seen[kRowBlock];                   // whether the row sees any key of that tile
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -254,8 +269,8 @@ struct Rows {
 
     // Tiles of 16 keys at fixed positions (multiples of 16), two at a time; a row's softmax still moves
     // tile by tile, so its result depends on the keys alone, not on which rows or tiles shared a call.
-    for (int64_t t0 = key_lo - key_lo % 16; t0 < key_hi; t0 += 32) {
-      const int64_t nt = t0 + 16 < key_hi ? 2 : 1;
+    for (int64_t t0 = key_lo - key_lo % 16; t0 < key_hi; t0 += 16 * per_pass) {
+      const int64_t nt = std::min<int64_t>(per_pass, (key_hi - t0 + 15) / 16);
       for (int64_t u = 0; u < nt; ++u) {
         const int64_t tu = t0 + 16 * u;
         const int64_t block = table[tu / block_size];
@@ -282,10 +297,10 @@ struct Rows {
           vp[u] = &vbuf[u];
         }
       }
-      if (t0 + 32 < key_hi) {
+      if (t0 + 16 * per_pass < key_hi) {
         // Blocks are scattered, so the hardware prefetcher cannot see the next tiles coming: ask for them
         // while these compute (few rows per tile, as in decoding, leave little else to hide it).
-        for (int64_t nt0 = t0 + 32; nt0 < std::min(t0 + 64, key_hi); nt0 += 16) {
+        for (int64_t nt0 = t0 + 16 * per_pass; nt0 < std::min(t0 + 16 * (per_pass + 2), key_hi); nt0 += 16) {
           const int64_t next = table[nt0 / block_size] * s_block + (nt0 % block_size) * s_token;
           for (int64_t t = 0; t < 16; ++t) {
             for (int64_t off = 0; off < DIM; off += 32) {
@@ -297,10 +312,10 @@ struct Rows {
       }
 
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kRowBlock) {
-        __m512 sc[kRowBlock][2];
+        __m512 sc[kRowBlock][kMaxTiles];
         const int64_t live_rows = std::min<int64_t>(kRowBlock, row_end - r0);
         if (live_rows == kRowBlock) {
-          scores<kRowBlock>(q + r0, kp, nt, sc);
+          scores_n<kRowBlock>(q + r0, kp, nt, sc);
         } else {
           scores_dispatch(live_rows, q + r0, kp, nt, sc);
         }
@@ -335,6 +350,9 @@ struct Rows {
           int64_t i = 0;
           if (all_seen) {
             for (; i + kPvRows <= live_rows; i += kPvRows) add_values<kPvRows>(r0 + i, pb + i, *vp[u]);
+            // The rest together too (a decode sequence's own keys: its 3 heads' rows).
+            if (kPvRows >= 3 && live_rows - i == 3) add_values<3>(r0 + i, pb + i, *vp[u]), i += 3;
+            if (live_rows - i == 2) add_values<2>(r0 + i, pb + i, *vp[u]), i += 2;
           }
           for (; i < live_rows; ++i) {
             if (seen[i]) add_values<1>(r0 + i, pb + i, *vp[u]);
