@@ -298,9 +298,9 @@ class ModelRunner:
         bs = self.block_size
         dev = self.device
         ids: list[int] = []
-        pos_chunks: list[torch.Tensor] = []
+        positions: list[int] = []
         n_groups = self.layout.num_groups
-        slot_chunks: list[list[torch.Tensor]] = [[] for _ in range(n_groups)]
+        slot_lists: list[list[int]] = [[] for _ in range(n_groups)]
         seqs: list[list[SeqAttn]] = [[] for _ in range(n_groups)]
         spans: list[tuple[int, int, int]] = []  # per sequence: first row, first position, tokens
         state_tables: list[list[list[int]]] = [[] for _ in range(n_groups)]
@@ -310,8 +310,7 @@ class ModelRunner:
             ids.extend(s.token_ids)
             end = s.start_pos + n
             n_blocks = -(-end // bs)
-            pos = torch.arange(s.start_pos, end, dtype=torch.long)
-            pos_chunks.append(pos)
+            positions.extend(range(s.start_pos, end))
             tables = s.group_block_ids if s.group_block_ids is not None else (s.block_ids,)
             if len(tables) != n_groups:
                 raise ValueError(f"{s.req_id}: {len(tables)} block tables for {n_groups} KV cache groups")
@@ -324,14 +323,17 @@ class ModelRunner:
                 if g in self._state_groups:
                     state_tables[g].append(block_ids)
                     continue
-                table = torch.tensor(block_ids[:n_blocks], dtype=torch.long)
-                slot_chunks[g].append(table[pos // bs] * bs + pos % bs)
-                seqs[g].append(SeqAttn(t, t + n, end, table.to(dev)))
+                # Plain Python for the per-token arithmetic: a decode row is one token, and a tensor op per
+                # sequence cost more than the whole list of a 64-row step.
+                table = block_ids[:n_blocks]
+                slot_lists[g].extend([table[p // bs] * bs + p % bs for p in range(s.start_pos, end)])
+                seqs[g].append(SeqAttn(t, t + n, end, torch.tensor(table, dtype=torch.long, device=dev), ids=table))
             t += n
-        slots = [torch.cat(c).to(dev) if c else torch.empty(0, dtype=torch.long, device=dev) for c in slot_chunks]
+        slots = [torch.tensor(c, dtype=torch.long, device=dev) for c in slot_lists]
         plan = _StepPlan(steps, spans, slots, seqs, state_tables)
         metas: list[GroupMetadata] = [self._planner(g)(plan, g, window) for g, window in self._views]
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos_chunks).to(dev), metas)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                metas)
 
     def _planner(self, g: int) -> Any:
         spec = type(self.layout.specs[g])
