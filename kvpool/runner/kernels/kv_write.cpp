@@ -10,10 +10,12 @@
 
 namespace {
 
-// k, v: (T, kv_heads, D), D contiguous, any token and head strides (views of the fused qkv projection);
-// k_cache, v_cache: contiguous (kv_heads, blocks, block_size, D) of the same dtype; slots: (T,) int64,
-// token t goes to block slots[t] / block_size, offset slots[t] % block_size. Slots must be distinct.
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+// The checks both writes make. k, v: (T, kv_heads, D), D contiguous, any token and head strides (views of
+// the fused qkv projection); k_cache, v_cache: contiguous (kv_heads, blocks, block_size, D) of the same
+// dtype; slots: (T,) int64, token t goes to block slots[t] / block_size, offset slots[t] % block_size.
+// Slots must be distinct.
+void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be (T, kv_heads, head_dim) tensors with head_dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -23,12 +25,17 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
               "slots must be a contiguous int64 (T,) tensor");
-  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2);
-  const int64_t capacity = k_cache.size(1) * k_cache.size(2), head_stride = k_cache.stride(0);
+  const int64_t capacity = k_cache.size(1) * k_cache.size(2);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < k.size(0); ++t) {
     TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "token ", t, ": slot ", sp[t], " is outside the cache's ", capacity, " slots");
   }
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  check_write(k, v, k_cache, v_cache, slots);
+  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t elem = static_cast<int64_t>(k.element_size()), bytes = dim * elem;
   const auto* kp = static_cast<const char*>(k.const_data_ptr());
   const auto* vp = static_cast<const char*>(v.const_data_ptr());
@@ -52,23 +59,11 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 // together, so swaps and the store copy them as before.
 void write_kv_packed(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slots) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
-              "k and v must be (T, kv_heads, head_dim) tensors with head_dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be contiguous (kv_heads, blocks, block_size, head_dim)");
-  TORCH_CHECK(k_cache.element_size() == 2 && k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "k, v and the caches must share one 16-bit dtype");
-  TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
+  check_write(k, v, k_cache, v_cache, slots);
+  TORCH_CHECK(k_cache.element_size() == 2, "packed caches hold a 16-bit dtype");
   TORCH_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(3) % 2 == 0, "packed caches need blocks of a multiple of 16 tokens");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
-              "slots must be a contiguous int64 (T,) tensor");
-  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), pairs = dim / 2;
-  const int64_t capacity = k_cache.size(1) * k_cache.size(2), head_stride = k_cache.stride(0);
+  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), pairs = dim / 2, head_stride = k_cache.stride(0);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t) {
-    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "token ", t, ": slot ", sp[t], " is outside the cache's ", capacity, " slots");
-  }
   const auto* kp = static_cast<const uint16_t*>(k.const_data_ptr());
   const auto* vp = static_cast<const uint16_t*>(v.const_data_ptr());
   auto* kc = static_cast<uint16_t*>(k_cache.mutable_data_ptr());
