@@ -44,7 +44,9 @@ class SeqAttn:
     q_start: int  # rows of this sequence's queries in the step's token batch: [q_start, q_end)
     q_end: int
     context_len: int  # tokens in the cache once this step's tokens are written (queries included)
-    block_ids: torch.Tensor  # (ceil(context_len / block_size),) long
+    # (ceil(context_len / block_size),) long; None: built from `ids` on first use (`blocks()`), since the
+    # kernels' planners read the list and only the torch paths need a tensor.
+    block_ids: torch.Tensor | None
     prefix_len: int = 0  # leading tokens attended through its cascade group (0: none)
     # First block this sequence reads by itself: after its cascade prefix, or where its window starts.
     first_block: int = 0
@@ -52,6 +54,7 @@ class SeqAttn:
     # The same block ids as a Python list, when the planner has one: planning reads them per sequence, and
     # indexing a list costs far less than a tensor op (64 decode rows: ~1.5 ms a step -> ~0.3 ms).
     ids: list[int] | None = None
+    device: torch.device | None = None  # where `blocks()` builds the tensor
 
     @property
     def num_queries(self) -> int:
@@ -59,8 +62,14 @@ class SeqAttn:
 
     def table(self) -> list[int]:
         if self.ids is None:
-            self.ids = self.block_ids.tolist()
+            self.ids = self.blocks().tolist()
         return self.ids
+
+    def blocks(self) -> torch.Tensor:
+        if self.block_ids is None:
+            assert self.ids is not None, "a sequence needs its block ids as a tensor or a list"
+            self.block_ids = torch.tensor(self.ids, dtype=torch.long, device=self.device)
+        return self.block_ids
 
 
 @dataclass
@@ -138,7 +147,7 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
         return
     candidates = [i for i, s in enumerate(meta.seqs) if not (skip_decodes if s.num_queries == 1 else skip_chunks)]
     for members, n in shared_prefix_groups(meta.seqs, candidates, block_size, min_tokens):
-        first = meta.seqs[members[0]].block_ids
+        first = meta.seqs[members[0]].blocks()
         for i in members:
             meta.seqs[i].prefix_len = n * block_size
             meta.seqs[i].first_block = n
@@ -355,8 +364,8 @@ def torch_chunk_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
             continue
         first = s.first_block
         n_keys = s.context_len - first * k_cache.shape[2]
-        kk = gather_blocks(k_cache, s.block_ids[first:])[:, :n_keys]
-        vv = gather_blocks(v_cache, s.block_ids[first:])[:, :n_keys]
+        kk = gather_blocks(k_cache, s.blocks()[first:])[:, :n_keys]
+        vv = gather_blocks(v_cache, s.blocks()[first:])[:, :n_keys]
         assert s.bias is not None, "plan_masks must run once per step before the forward"
         o, l_ = _flash_lse(qs, kk, vv, scale, s.bias)
         if acc is not None and lse is not None and s.prefix_len:
@@ -415,8 +424,8 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         pad = max(0, MIN_ROWS - rows)
         qs = F.pad(qs, (0, 0, 0, pad))
         span = -(-ctx // c) * c
-        kk = gather_blocks(k_cache, s.block_ids).float()
-        vv = gather_blocks(v_cache, s.block_ids).float()
+        kk = gather_blocks(k_cache, s.blocks()).float()
+        vv = gather_blocks(v_cache, s.blocks()).float()
         if kk.shape[1] < span:
             kk = F.pad(kk, (0, 0, 0, span - kk.shape[1]))
             vv = F.pad(vv, (0, 0, 0, span - vv.shape[1]))

@@ -327,7 +327,7 @@ class ModelRunner:
                 # sequence cost more than the whole list of a 64-row step.
                 table = block_ids[:n_blocks]
                 slot_lists[g].extend([table[p // bs] * bs + p % bs for p in range(s.start_pos, end)])
-                seqs[g].append(SeqAttn(t, t + n, end, torch.tensor(table, dtype=torch.long, device=dev), ids=table))
+                seqs[g].append(SeqAttn(t, t + n, end, None, ids=table, device=dev))
             t += n
         slots = [torch.tensor(c, dtype=torch.long, device=dev) for c in slot_lists]
         plan = _StepPlan(steps, spans, slots, seqs, state_tables)
