@@ -122,6 +122,8 @@ class EngineStore:
 
     def _hold_hybrid(self, req: Any, hashes: Sequence[bytes]) -> bool:
         plan = self.read_plan(hashes)
+        if plan.local_point >= plan.limit:
+            return False  # the local tiers already give the longest hit allowed
         candidates = plan.candidates()
         if not candidates:
             return False
