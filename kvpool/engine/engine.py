@@ -142,8 +142,11 @@ class LLMEngine:
         if config.kv_store:
             from kvpool.store.engine_store import EngineStore
 
+            layout = self.runner.layout
             self.store = EngineStore(config.kv_store, self.kv, self.runner.host_kv_caches, self.model_dir, bs,
-                                     deadline_s=config.kv_store_deadline_s, kv_layout=self.runner.kv_layout)
+                                     deadline_s=config.kv_store_deadline_s, kv_layout=self.runner.kv_layout,
+                                     host_pages=self.runner.host_pages, group_of_layer=layout.group_of_layer,
+                                     tensor_of_layer=layout.tensor_of_layer)
 
     def _longest_fitting_request(self, limit: int) -> int:
         """A request must fit the pool alone, so it can always finish once the others are preempted: the

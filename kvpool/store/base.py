@@ -51,7 +51,9 @@ class Fingerprint:
     model: str  # identity of the weights (see `model_identity`), not just a name
     dtype: str
     block_size: int
-    group: int = 0  # the layer group whose layers' K/V the value carries
+    # The layer group whose layers' K/V the value carries; -1 for a multi-group model, whose values carry
+    # their group in the key (the host tier's group_key) and whose `layout` names every group.
+    group: int = 0
     layout: str = ""  # page layout of the group: layers, K/V shape per block, byte order
     format_version: int = FORMAT_VERSION
 

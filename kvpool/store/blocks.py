@@ -2,6 +2,11 @@
 the host tier's tensors (the runner's `host_kv_caches`: per layer a (K, V) pair shaped
 (kv_heads, num_blocks, block_size, head_dim)).
 
+Two-level host pools (models whose groups' pages differ in size: state layers beside attention) keep, per
+page type, one (pages, page elements) tensor per tensor slot (the runner's `host_pages[t]`);
+`gather_pages` / `scatter_pages` move one page of every slot, which is the page's group's K/V or state for
+every layer of the group.
+
 `gather` copies the bytes out at once, so a later swap that reuses the host block cannot change what is
 written to the store (the write itself happens later, on the store worker's thread). `layout` names the
 page layout for the fingerprint: a replica whose layers, heads, block size, head size, dtype or byte order
@@ -72,3 +77,43 @@ def fingerprint(model_dir: str | Path, caches: Caches, block_size: int, group: i
                 kv_layout: str = "standard") -> Fingerprint:
     return Fingerprint(model=model_identity(model_dir), dtype=str(caches[0][0].dtype).removeprefix("torch."),
                        block_size=block_size, group=group, layout=layout(caches, kv_layout))
+
+
+Slots = Sequence[torch.Tensor]
+
+
+def pages_layout(slots: Slots) -> str:
+    """The page layout of one page type of a two-level host pool: slots, elements per page, dtype, byte order."""
+    s = slots[0]
+    return f"P{len(slots)}x{s.shape[1]}:{str(s.dtype).removeprefix('torch.')}:{sys.byteorder}"
+
+
+def pages_nbytes(slots: Slots) -> int:
+    return sum(s.shape[1] * s.element_size() for s in slots)
+
+
+def gather_pages(slots: Slots, page_ids: Sequence[int]) -> list[bytes]:
+    """One payload per page: slot by slot, the page's elements (a copy, like `gather`)."""
+    if not page_ids:
+        return []
+    idx = torch.tensor(list(page_ids), dtype=torch.long)
+    per_page = torch.stack([s.index_select(0, idx) for s in slots], dim=1).contiguous()  # (n, slots, elems)
+    raw = per_page.view(torch.uint8).reshape(len(page_ids), -1).numpy().tobytes()
+    n = len(raw) // len(page_ids)
+    return [raw[i * n:(i + 1) * n] for i in range(len(page_ids))]
+
+
+def scatter_pages(slots: Slots, page_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    """Write payloads into the given host pages (the inverse of `gather_pages`)."""
+    if not page_ids:
+        return
+    want = pages_nbytes(slots)
+    for p in payloads:
+        if len(p) != want:
+            raise ValueError(f"payload: {len(p)} bytes, a page of this layout has {want}")
+    s0 = slots[0]
+    data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(s0.dtype)
+    pages = data.reshape(len(page_ids), len(slots), s0.shape[1])
+    idx = torch.tensor(list(page_ids), dtype=torch.long)
+    for i, s in enumerate(slots):
+        s.index_copy_(0, idx, pages[:, i])

@@ -9,19 +9,30 @@
 - `after_swaps(plan)` after the step's copies ran: the host blocks they filled are written through to the
   store (gathered at once; written by the store worker).
 
-Supported where the host tier has one page type and the model one layer group (the full-attention models);
-anything else is refused at start with a clear error, rather than caching a part of the state.
+Every model the host tier serves is served here. One layer group on one host pool (full-attention models)
+keeps the original fast path: keys under the single-group fingerprint, one GET of the chain past the local
+hit, landed as a chain. Several groups (sliding-window + full attention like Gemma-3; conv or Mamba states
++ attention like LFM2, whose pages differ in size and so live in one host pool per page type) go through
+`kvpool.store.hybrid`: every group's sheltered blocks are written through under the host tier's per-group
+keys and one fingerprint naming every group's layers and page layout; a read computes, on the worker
+thread, the longest point every group can serve from its local tiers plus the store (one EXISTS), reads
+exactly what that point needs (one GET), and lands each payload in the host pool of its page type. The
+scheduler's own lookup then finds the hit in every group, or a shorter one if some value failed its
+checksum; never a hit that one group cannot serve.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpool.core.block import group_key
 from kvpool.store import BlockStore, open_store
 from kvpool.store.blocks import block_nbytes, fingerprint
+from kvpool.store.hybrid import HitRule, HostPages, KVPages, ReadPlan, SlotPages, hit_point, hybrid_fingerprint
 from kvpool.store.tier import StoreTier
 from kvpool.store.worker import StoreWorker
 
@@ -34,23 +45,45 @@ log = logging.getLogger(__name__)
 
 class EngineStore:
     def __init__(self, url: str, kv: KVCacheManager, host_caches: Any, model_dir: Path, block_size: int, *,
-                 deadline_s: float = 2.0, kv_layout: str = "standard") -> None:
-        if kv.host is None or not host_caches:
+                 deadline_s: float = 2.0, kv_layout: str = "standard", host_pages: Sequence[Any] = (),
+                 group_of_layer: Sequence[int] = (), tensor_of_layer: Sequence[int] = ()) -> None:
+        """`host_caches`: the runner's one-page-size host tensors (`host_kv_caches`); `host_pages`: a
+        two-level host tier's per-page-type slot tensors (`host_pages`). `group_of_layer` /
+        `tensor_of_layer` (the runner's `LayerLayout`) name each group's layers for the fingerprint of a
+        multi-group model."""
+        if kv.host is None or not (host_caches or host_pages):
             raise ValueError("kv_store: the store sits below the host tier; give the engine one (--swap-space)")
-        if kv.num_groups != 1 or kv.host.typed or len(kv.host.pools) != 1:
-            raise ValueError("kv_store: supported for models with one layer group (full attention) for now")
         if deadline_s <= 0:
             raise ValueError(f"kv_store_deadline: must be > 0 seconds, got {deadline_s}")
         self.kv = kv
         self.caches = host_caches
         self.pool = kv.host.pools[0]
         self.block_size = block_size
-        fp = fingerprint(model_dir, host_caches, block_size, kv_layout=kv_layout)
+        # One group on one host pool: the original path (its keys and fingerprint unchanged).
+        self.hybrid = kv.num_groups != 1 or kv.host.typed or len(kv.host.pools) != 1
+        if not self.hybrid:
+            fp = fingerprint(model_dir, host_caches, block_size, kv_layout=kv_layout)
+            block_bytes = block_nbytes(host_caches)
+        else:
+            # One HostPages per page type of the host tier, in its order.
+            self.pages: list[HostPages] = ([SlotPages(slots) for slots in host_pages] if kv.host.typed
+                                           else [KVPages(host_caches, kv_layout)])
+            if len(self.pages) != len(kv.host.pools):
+                raise ValueError(f"kv_store: {len(self.pages)} host page types for {len(kv.host.pools)} host pools")
+            if not group_of_layer or not tensor_of_layer:
+                raise ValueError("kv_store: a model with several layer groups needs its layer layout "
+                                 "(group_of_layer, tensor_of_layer) for the store's fingerprint")
+            self.rules = [HitRule.of(s) for s in kv.specs]
+            dtype = host_pages[0][0].dtype if kv.host.typed else host_caches[0][0].dtype
+            fp = hybrid_fingerprint(model_dir, dtype, block_size, kv.specs, group_of_layer, tensor_of_layer,
+                                    kv.page_type, self.pages)
+            block_bytes = max(p.nbytes for p in self.pages)
         self.tier = StoreTier(StoreWorker(BlockStore(open_store(url), fp)), deadline_s=deadline_s,
-                              block_bytes=block_nbytes(host_caches))
+                              block_bytes=block_bytes)
         self.url = url
         self._held: OrderedDict[str, Any] = OrderedDict()
-        log.info("KV store tier: %s (fingerprint %s)", url, fp.digest.hex())
+        log.info("KV store tier: %s (fingerprint %s%s)", url, fp.digest.hex(),
+                 f", {kv.num_groups} layer groups on {len(kv.host.pools)} host page types" if self.hybrid else "")
 
     @property
     def stats(self) -> Any:
@@ -68,6 +101,8 @@ class EngineStore:
             return False
         max_blocks = (len(req.all_token_ids) - 1) // self.block_size
         hashes = req.block_hashes[:max_blocks]
+        if self.hybrid:
+            return self._hold_hybrid(req, hashes)
         # The same lookup the scheduler will make (device, then host), without touching stats or blocks.
         local = len(self.kv.managers[0].find_longest_cache_hit(hashes, max_blocks))
         if not self.tier.request_arrived(req.request_id, hashes[local:]):
@@ -75,16 +110,73 @@ class EngineStore:
         self._held[req.request_id] = req
         return True
 
+    def read_plan(self, hashes: Sequence[bytes]) -> ReadPlan:
+        """What the local tiers hold of the prompt's blocks in every group, and the hit they give: the
+        same rule as the scheduler's lookup (`hit_point` agrees with `KVCacheManager._hybrid_hit`),
+        without touching stats or blocks."""
+        n = len(hashes)
+        keys = [[group_key(h, g) for h in hashes] for g in range(self.kv.num_groups)]
+        local = [[m.lookup(k) is not None for k in keys[g]] if m.caches_prefix else [False] * n
+                 for g, m in enumerate(self.kv.managers)]
+        return ReadPlan(self.rules, local, hit_point(self.rules, local, n), n, keys, self.kv.page_type)
+
+    def _hold_hybrid(self, req: Any, hashes: Sequence[bytes]) -> bool:
+        plan = self.read_plan(hashes)
+        if plan.local_point >= plan.limit:
+            return False  # the local tiers already give the longest hit allowed
+        candidates = plan.candidates()
+        if not candidates:
+            return False
+        if not self.tier.request_arrived_with(req.request_id, candidates,
+                                              lambda owned: plan.job(candidates, owned)):
+            return False
+        self._held[req.request_id] = req
+        return True
+
+    def _land_hybrid(self, pairs: list[tuple[bytes, Any]]) -> int:
+        """Write landed (key, (page type, payload)) pairs into host blocks of their page type."""
+        by_type: dict[int, tuple[list[Any], list[bytes]]] = {}
+        for key, (t, payload) in pairs:
+            hb = self.kv.host.pools[t].shelter(key)  # type: ignore[union-attr]
+            if hb is None:
+                continue  # already there (landed by another read, or sheltered meanwhile), or no room
+            blocks, data = by_type.setdefault(t, ([], []))
+            blocks.append(hb)
+            data.append(payload)
+        for t, (blocks, data) in by_type.items():
+            self.pages[t].scatter([b.block_id for b in blocks], data)
+            self.kv.host.pools[t].free_blocks(blocks)  # type: ignore[union-attr]
+        return sum(len(b) for b, _ in by_type.values())
+
     def pump(self) -> list[Any]:
         """Land completed reads in host blocks; the held requests that may be scheduled now, in order."""
-        self.tier.land(self.pool.shelter, self.pool.free_blocks, self.caches)
+        if self.hybrid:
+            self.tier.land_with(self._land_hybrid)
+        else:
+            self.tier.land(self.pool.shelter, self.pool.free_blocks, self.caches)
         ready = [rid for rid in self._held if self.tier.ready(rid)]
         return [self._held.pop(rid) for rid in ready]
 
     def after_swaps(self, plan: SwapPlan) -> None:
-        if plan.swap_out:
-            blocks = self.pool.blocks
-            self.tier.after_swaps(plan.swap_out, lambda h: blocks[h].block_hash, self.caches)
+        if not self.hybrid:
+            if plan.swap_out:
+                blocks = self.pool.blocks
+                self.tier.after_swaps(plan.swap_out, lambda h: blocks[h].block_hash, self.caches)
+            return
+        # Every group's sheltered blocks, under their host keys (group_key), per page type.
+        copies = [(0, h) for _, h in plan.swap_out] + [(t, h) for t, _, h in plan.typed_out]
+        if not copies:
+            return
+        pools = self.kv.host.pools  # type: ignore[union-attr]
+        by_type: dict[int, tuple[list[int], list[bytes]]] = {}
+        for t, h in copies:
+            key = pools[t].blocks[h].block_hash
+            if key is not None:
+                ids, keys = by_type.setdefault(t, ([], []))
+                ids.append(h)
+                keys.append(key)
+        for t, (ids, keys) in by_type.items():
+            self.tier.write(list(zip(keys, self.pages[t].gather(ids), strict=True)))
 
     def drop(self, request_id: str) -> Any | None:
         """Forget a held request (aborted before it was scheduled)."""

@@ -18,6 +18,11 @@ peers shape this:
   own deadline, so sharing a read never makes anyone wait longer than its own budget.
 Landed payloads are written into host blocks (`HostBlockPool.shelter`, pinned while written, then
 released), so the ordinary lookup finds them as host hits and swaps them in.
+
+Models with several layer groups (`kvpool.store.hybrid`) use the same waiting and landing, through
+`request_arrived_with` (the read is a job that decides what to read on the worker thread) and
+`land_with` (payloads routed by the caller to the host pool of their page type). Their reads are not
+chains: a hit needs some blocks of each group, not a run from the first, so a miss does not cut the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Fetch:
     hashes: list[bytes]
-    future: Future[list[bytes | None]]
+    future: Future[list[Any]]  # per hash a payload (opaque here: the sink knows it) or None for a miss
+    chain: bool = True  # a prefix chain: blocks after a miss are no use as a prefix and are not landed
 
 
 @dataclass
@@ -82,7 +88,11 @@ class StoreTier:
                 hashes.append(key)
         if not ids:
             return 0
-        n = self.worker.write(list(zip(hashes, gather(caches, ids), strict=True)))
+        return self.write(list(zip(hashes, gather(caches, ids), strict=True)))
+
+    def write(self, blocks: Sequence[tuple[bytes, bytes]]) -> int:
+        """Queue (key, payload) pairs already copied out of the host tensors; returns how many were queued."""
+        n = self.worker.write(blocks) if blocks else 0
         self.blocks_written += n
         return n
 
@@ -107,9 +117,46 @@ class StoreTier:
         self.requests_waited += 1
         return True
 
+    def request_arrived_with(self, request_id: str, keys: Sequence[bytes],
+                             make_job: Callable[[list[bytes]], Callable[[Any], list[Any]]]) -> bool:
+        """Like `request_arrived`, for a read that decides on the worker thread what to read: `keys` are
+        every key the request may need; `make_job(owned)` gives the job reading the ones not already being
+        read by an earlier request (`owned`), which returns per owned key a payload for `land_with`'s sink
+        or None. The request waits for all of `keys` (its own job and the earlier ones), or its deadline."""
+        want = list(keys)
+        if not want or not self.worker.store.available:
+            return False
+        owned = [k for k in want if k not in self._fetching]
+        if owned:
+            self._fetches.append(_Fetch(owned, self.worker.submit(make_job(owned), [None] * len(owned)), chain=False))
+            self._fetching.update(owned)
+        self._waiters[request_id] = _Waiter(want, self.clock() + self.deadline_s)
+        self.requests_waited += 1
+        return True
+
     def land(self, shelter: Callable[[bytes], Any], release: Callable[[list[Any]], None], caches: Caches) -> int:
         """Write every completed read into host blocks. `shelter(hash)` gives a pinned host block (or None:
         already there, or no room) and `release(blocks)` unpins them once written. Returns blocks landed."""
+
+        def sink(pairs: list[tuple[bytes, Any]]) -> int:
+            blocks, ids, data = [], [], []
+            for h, p in pairs:
+                hb = shelter(h)
+                if hb is None:
+                    continue
+                blocks.append(hb)
+                ids.append(hb.block_id)
+                data.append(p)
+            if ids:
+                scatter(caches, ids, data)
+                release(blocks)
+            return len(ids)
+
+        return self.land_with(sink)
+
+    def land_with(self, sink: Callable[[list[tuple[bytes, Any]]], int]) -> int:
+        """Hand every completed read's (key, payload) pairs to `sink`, which writes them into host blocks
+        and returns how many it landed. A chain read stops at its first miss. Returns blocks landed."""
         landed = 0
         still: list[_Fetch] = []
         for f in self._fetches:
@@ -121,20 +168,15 @@ class StoreTier:
                 payloads = f.future.result()
             except Exception:  # the worker already logged it; a failed read is a miss
                 continue
-            blocks, ids, data = [], [], []
+            pairs: list[tuple[bytes, Any]] = []
             for h, p in zip(f.hashes, payloads, strict=True):
                 if p is None:
-                    break  # a chain: blocks after a miss cannot be used as a prefix
-                hb = shelter(h)
-                if hb is None:
+                    if f.chain:
+                        break  # a chain: blocks after a miss cannot be used as a prefix
                     continue
-                blocks.append(hb)
-                ids.append(hb.block_id)
-                data.append(p)
-            if ids:
-                scatter(caches, ids, data)
-                release(blocks)
-                landed += len(ids)
+                pairs.append((h, p))
+            if pairs:
+                landed += sink(pairs)
         self._fetches = still
         self.blocks_landed += landed
         return landed

@@ -1,7 +1,8 @@
 """Store I/O off the critical path: one background thread with a bounded queue per direction.
 
 The engine thread only enqueues: `write` hands over (hash, payload) pairs (the caller has already copied
-the bytes out of any buffer a later swap could overwrite) and `fetch` returns a Future at once. The
+the bytes out of any buffer a later swap could overwrite) and `fetch` returns a Future at once (`submit`
+runs any read job the same way: hybrid models probe with EXISTS, decide, then read, in one job). The
 thread merges queued writes into one round trip and serves fetches before writes, since a waiting
 request is waiting on a fetch while a write only helps some later request. When the write queue is full
 the new blocks are dropped and counted (a slow store must not grow memory without bound, nor make the
@@ -14,8 +15,9 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 from kvpool.store.base import BlockStore, StoreStats
 
@@ -30,7 +32,8 @@ class StoreWorker:
         self.max_pending_writes = max_pending_writes
         self.max_batch = max_batch
         self._writes: deque[tuple[bytes, Payload]] = deque()
-        self._fetches: queue.SimpleQueue[tuple[list[bytes], Future[list[bytes | None]]] | None] = queue.SimpleQueue()
+        # Read jobs (a callable given the BlockStore) and their futures; None wakes the thread to exit.
+        self._fetches: queue.SimpleQueue[tuple[Callable[[BlockStore], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._closed = False
         self._inflight: set[bytes] = set()  # hashes queued or being written: no duplicate writes
@@ -61,11 +64,17 @@ class StoreWorker:
 
     def fetch(self, hashes: Sequence[bytes]) -> Future[list[bytes | None]]:
         """Payloads of the blocks (None per miss), read in one round trip on the worker thread."""
-        fut: Future[list[bytes | None]] = Future()
+        want = list(hashes)
+        return self.submit(lambda store: store.get(want), [None] * len(want))
+
+    def submit(self, job: Callable[[BlockStore], Any], if_closed: Any) -> Future[Any]:
+        """Run a read job on the worker thread (before any queued write); `if_closed` is the answer of a
+        closed worker (misses). A job sees the `BlockStore`, whose calls turn faults into misses."""
+        fut: Future[Any] = Future()
         if self._closed:
-            fut.set_result([None] * len(hashes))
+            fut.set_result(if_closed)
             return fut
-        self._fetches.put((list(hashes), fut))
+        self._fetches.put((job, fut))
         with self._cv:
             self._cv.notify()
         return fut
@@ -102,9 +111,9 @@ class StoreWorker:
                     break
                 if job is None:
                     continue
-                hashes, fut = job
+                fn, fut = job
                 try:
-                    fut.set_result(self.store.get(hashes))
+                    fut.set_result(fn(self.store))
                 except Exception as e:  # never let one bad call kill the thread
                     log.exception("KV store fetch failed")
                     fut.set_exception(e)
