@@ -17,18 +17,26 @@ Classes are what the system sees of a block:
   was in the ghost list below counts as hit: it was reused),
 - its lineage: how many times its prefix was hit and extended by a later request (0: a new chain;
   +1 every time a request hits a prefix and caches blocks past it). In a conversation this is the
-  turn; after a shared document, 1 for the one-off question. The lineage of the chain a block was
-  released with (its deepest released block) is what counts: the blocks of one chain are reused
-  together.
-- the length of the chain it was released with (long documents are reused more than short prompts).
-Rates of sparse classes are shrunk toward the whole pool's histograms (a prior of a few events).
+  turn (and a conversation with more turns behind it has fewer ahead); after a shared document, 1
+  for the one-off question. The lineage of the chain a block was released with (its deepest
+  released block) is what counts: the blocks of one chain are reused together.
+(The length of the released chain was tried as a third feature: on the development traces it did not
+help and it split the counts 16 ways, so it is not used.) Sparse classes are shrunk toward the whole
+pool's histograms (`PRIOR` events of the same shape).
 
-Ghosts: the hashes of recently evicted blocks (a few pools' worth) are remembered with their class,
-release time and eviction age. When a hash is cached again, that eviction cost a hit: the eviction
-event is taken back and a hit is counted at the age it came back, the counterfactual of having kept
-it. Without this the histograms only see hits younger than the current eviction age, and a class
-whose reuse comes later would never get the chance to show it (LHD's "explorers" solve the same
-problem by keeping a few blocks longer; ghosts cost no pool space).
+Hits: a hit on a free block counts at its age; a hit on a block in use (shared by a request in
+flight) counts at age 0 (it has not been a candidate since its last access).
+
+Observing past the eviction: an evicted block's event is not counted at once. If its hash is cached
+again within `WINDOW_POOLS` pools of allocations after the eviction (the eviction cost a hit), a hit
+counts at the age it came back; if not, an eviction counts at the age it would have reached at the
+window's end. Every evicted block is so observed for one window more than it lived, hits and
+exposure alike. Without this the histograms would see only hits younger than the current eviction
+age, and a class evicted before its reuse would never show it (LHD keeps a few "explorer" blocks
+longer for the same reason; this costs no pool space). Counting the returns without the exposure of
+the blocks that did not return would make every old age look valuable (tried: it lost half of
+LRU's hits on the Mooncake trace). A separate, longer ghost list (`GHOST_POOLS` pools of hashes)
+only carries a block's hit count and lineage over its eviction.
 
 Chains: a child block is useless without its parent (a hit runs from the root), so only leaves are
 candidates: free cached blocks with no free cached child (in use children do not count: their
@@ -45,6 +53,7 @@ Blocks without cached content are reused first and low-value blocks next, as wit
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -53,12 +62,11 @@ import numpy as np
 
 from kvpool.core.block import BlockHash, KVCacheBlock
 from kvpool.core.eviction import register_policy
-from kvpool.core.policies import _EMPTY, _LOW, _MAIN, _NONE, _Slots
+from kvpool.core.policies import _EMPTY, _MAIN, _NONE, _Slots
 
 _N_HIT = 4  # hit-count buckets: 0, 1, 2-3, 4+
 _N_LIN = 8  # lineage buckets: 0 .. 6, 7+
-_N_LEN = 16  # chain-length buckets: two per doubling of the length in blocks, capped
-_N_CLASS = _N_HIT * _N_LIN * _N_LEN
+_N_CLASS = _N_HIT * _N_LIN
 _N_AGE = 128  # age bins; a bin is 1/32 of the pool's allocations (4 pools), older ages share the last
 
 
@@ -66,28 +74,8 @@ def _hit_bucket(h: int) -> int:
     return h if h < 2 else (2 if h < 4 else 3)
 
 
-def _len_bucket(n: int) -> int:
-    """About 2 * log2(n), capped: two buckets per doubling, from bit lengths (no float math)."""
-    bits = n.bit_length()
-    b = 2 * (bits - 1) + ((n >> (bits - 2)) & 1 if bits > 1 else 0)
-    return b if b < _N_LEN else _N_LEN - 1
-
-
-import os
-_V = os.environ.get("LHD_V", "")
-
-
-def _class(hits: int, lineage: int, length: int) -> int:
-    if "one" in _V:
-        return 0
-    if "nolen" in _V:
-        length = 1
-    if "nolin" in _V:
-        lineage = 0
-    if "nohit" in _V:
-        hits = 0
-    return ((_hit_bucket(hits) * _N_LIN + (lineage if lineage < _N_LIN else _N_LIN - 1)) * _N_LEN
-            + _len_bucket(length))
+def _class(hits: int, lineage: int) -> int:
+    return _hit_bucket(hits) * _N_LIN + (lineage if lineage < _N_LIN else _N_LIN - 1)
 
 
 class LHDPolicy(_Slots):
@@ -99,7 +87,7 @@ class LHDPolicy(_Slots):
     PRIOR = 8.0  # events of the pool-wide histograms added to each class (shrinkage)
     HALF_LIFE_POOLS = 4.0  # counts halve every this many pools of evictions
     GHOST_POOLS = 4  # evicted hashes remembered, in pools
-    WINDOW_POOLS = 1.0  # how much longer than its actual life an evicted block is observed, in pools
+    WINDOW_POOLS = 0.5  # how much longer than its actual life an evicted block is observed, in pools
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
@@ -110,6 +98,8 @@ class LHDPolicy(_Slots):
         self.lineage: list[int] = []
         self.depth: list[int] = []
         self.rel: list[int] = []  # clock at the last release
+        self.seq: list[int] = []  # release order (ties in density go to the earliest released)
+        self._seq = 0
         self.cls: list[int] = []  # class assigned at the last release
         self.gen: list[int] = []  # bumped each time the block is handed out (parent links check it)
         self.plink: list[int] = []  # parent block id (-1: none) ...
@@ -140,7 +130,7 @@ class LHDPolicy(_Slots):
     def _grow(self, n: int) -> None:
         extra = n - self.size
         self.blocks += [None] * extra
-        for lst, v in ((self.hits, 0), (self.lineage, 0), (self.depth, 0), (self.rel, 0), (self.cls, 0),
+        for lst, v in ((self.hits, 0), (self.lineage, 0), (self.depth, 0), (self.rel, 0), (self.seq, 0), (self.cls, 0),
                        (self.gen, 0), (self.plink, -1), (self.pgen, 0), (self.counted, -1),
                        (self.nfree_child, 0), (self.leaf_pos, -1)):
             lst += [v] * extra  # type: ignore[operator]
@@ -187,17 +177,19 @@ class LHDPolicy(_Slots):
         if not blocks:
             return
         self.ensure(blocks)
-        # The chain released together (tail first): its length and lineage class every block in it,
-        # since the blocks of one chain come back together.
-        depth, lineage = self.depth, self.lineage
-        length = max(depth[b.block_id] for b in blocks) + 1
+        # The lineage of the chain released together (its deepest blocks, the request's own) classes
+        # every block in it: the blocks of one chain come back together (a conversation's next turn
+        # hits all of them), whatever their own depth.
+        lineage = self.lineage
         lin = max(lineage[b.block_id] for b in blocks)
         now, where, gen = self.now, self.where, self.gen
         for b in blocks:
             bid = b.block_id
             self.blocks[bid] = b
-            self.cls[bid] = _class(self.hits[bid], lin, length)
+            self.cls[bid] = _class(self.hits[bid], lin)
             self.rel[bid] = now
+            self._seq += 1
+            self.seq[bid] = self._seq
             where[bid] = _MAIN
             p = self.plink[bid]
             if p >= 0 and self.pgen[bid] == gen[p]:
@@ -247,14 +239,15 @@ class LHDPolicy(_Slots):
         else:
             rnd = self.rng.random
             cand = [leaves[int(rnd() * k)] for _ in range(self.SAMPLES)]
+        seq = self.seq
         best = -1
-        best_d = best_r = 0.0
+        best_d = 0.0
+        best_s = 0
         for bid in cand:
             a = (now - rel[bid]) // gran
             d = dens[cls[bid] * _N_AGE + (a if a < top else top)]
-            r = rel[bid]
-            if best < 0 or d < best_d or (d == best_d and r < best_r):
-                best, best_d, best_r = bid, d, r
+            if best < 0 or d < best_d or (d == best_d and seq[bid] < best_s):
+                best, best_d, best_s = bid, d, seq[bid]
         self._leave_main(best)
         blk = self.blocks[best]
         assert blk is not None
@@ -328,37 +321,41 @@ class LHDPolicy(_Slots):
         leaves' order is exact; a parent is listed right after its last free child)."""
         yield from self.empty
         yield from self.low
-        # Simulate evictions on copies of the leaf structure (no sampling: the exact order).
+        # Replay the evictions on a copy of the leaf structure, without sampling (the exact order).
         nfree = list(self.nfree_child)
-        leaves = set(self.leaves)
         now, gran, top = self.now, self.gran, _N_AGE - 1
-        order = []
-        while leaves:
-            def key(bid: int) -> tuple[float, int]:
-                a = (now - self.rel[bid]) // gran
-                return self.dens[self.cls[bid] * _N_AGE + (a if a < top else top)], self.rel[bid]
-            best = min(leaves, key=lambda b: (*key(b), b))
-            leaves.discard(best)
-            order.append(best)
-            p = self.counted[best]
+        dens, rel, cls, seq = self.dens, self.rel, self.cls, self.seq
+
+        def key(bid: int) -> tuple[float, int, int]:
+            a = (now - rel[bid]) // gran
+            return dens[cls[bid] * _N_AGE + (a if a < top else top)], seq[bid], bid
+
+        heap = [key(b) for b in self.leaves]
+        heapq.heapify(heap)
+        while heap:
+            bid = heapq.heappop(heap)[2]
+            yield self.blocks[bid]  # type: ignore[misc]
+            p = self.counted[bid]
             if p >= 0:
                 nfree[p] -= 1
                 if nfree[p] == 0 and self.where[p] == _MAIN:
-                    leaves.add(p)
-        for bid in order:
-            yield self.blocks[bid]  # type: ignore[misc]
+                    heapq.heappush(heap, key(p))
 
     def check(self) -> None:
         """Integrity of the leaf structure (tests): counts, positions, every main block reachable."""
         main = [i for i in range(self.size) if self.where[i] == _MAIN]
         assert len(main) == self._num_main, "main count drifted"
+        n_child = [0] * self.size
+        for j in main:
+            if self.counted[j] >= 0:
+                n_child[self.counted[j]] += 1
+        assert n_child == self.nfree_child, "free-child counts drifted"
         for i in range(self.size):
-            n = sum(1 for j in main if self.counted[j] == i)
-            assert n == self.nfree_child[i], f"free-child count of {i} drifted"
             is_leaf = self.where[i] == _MAIN and self.nfree_child[i] == 0
-            assert (self.leaf_pos[i] >= 0) == is_leaf, f"leaf set wrong at {i}"
-            if self.leaf_pos[i] >= 0:
+            assert (self.leaf_pos[i] >= 0) == is_leaf, f"leaf set wrong at block {i}"
+            if is_leaf:
                 assert self.leaves[self.leaf_pos[i]] == i
+        assert len(self.leaves) == sum(1 for p in self.leaf_pos if p >= 0)
 
     # -- observations ---------------------------------------------------------------------------------
 
@@ -376,6 +373,9 @@ class LHDPolicy(_Slots):
                 # A hit on a candidate: at the age it had reached (blocks in use were no candidates).
                 a = (now - self.rel[bid]) // gran
                 self.h_hit[self.cls[bid] * _N_AGE + (a if a < top else top)] += 1.0
+            elif b.ref_cnt > 0:
+                # Shared by a request in flight: a hit at age 0 (it has not been a candidate since).
+                self.h_hit[self.cls[bid] * _N_AGE] += 1.0
             hits[bid] += 1
 
     def on_cached(self, block: KVCacheBlock, index: int, parent: KVCacheBlock | None) -> None:
@@ -414,7 +414,4 @@ class LHDPolicy(_Slots):
             self.lineage[bid] = 0
 
 
-for _k in ("SAMPLES", "PRIOR", "HALF_LIFE_POOLS", "GHOST_POOLS", "WINDOW_POOLS"):
-    if os.environ.get("LHD_" + _k):
-        setattr(LHDPolicy, _k, type(getattr(LHDPolicy, _k))(os.environ["LHD_" + _k]))
 register_policy("lhd", LHDPolicy)
