@@ -361,6 +361,12 @@ class DeviceBlockPool(BlockPool):
             self.policy.on_touch(blocks)
         super().touch(blocks)
 
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        check = getattr(self.policy, "check", None)  # a policy's own invariants, where it has any
+        if check is not None:
+            check()
+
     def _released(self, first: list[KVCacheBlock], last: list[KVCacheBlock],
                   low: Sequence[KVCacheBlock] = ()) -> None:
         if first:
