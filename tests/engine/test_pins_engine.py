@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.core.eviction import policy_names
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ def test_outputs_do_not_depend_on_the_eviction_policy(tiny_llama_dir: Path) -> N
     prompts = [[*SYSTEM, *toks(i, 8)] for i in range(6)] + [toks(50, 30)]
     params = SamplingParams.greedy(6)
     want = None
-    for policy in ("lru", "slru", "prefix", "reuse"):
+    for policy in policy_names():  # every registered policy, on the device and the host tier
         llm = make(tiny_llama_dir, eviction_policy=policy, num_host_blocks=8, host_eviction=policy)
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         got += [o.token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)]
