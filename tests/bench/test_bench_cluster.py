@@ -15,7 +15,7 @@ from kvpool.cli import main
 def test_cluster_bench_runs_and_reports(chat_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                         ) -> None:
     png = tmp_path / "ttft.png"
-    rc = main(["bench", "cluster", "--model", str(chat_llama_dir), "--conversations", "3", "--turns", "2",
+    rc = main(["bench", "cluster", "--model", str(chat_llama_dir), "--conversations", "4", "--turns", "3",
                "--concurrency", "2", "--system-len", "64", "--user-len", "16:24", "--answer-len", "4:6",
                "--device-blocks", "24", "--systems", "round-robin,router,router+store,ceiling", "--json",
                "--plot", str(png)])
@@ -27,9 +27,11 @@ def test_cluster_bench_runs_and_reports(chat_llama_dir: Path, tmp_path: Path, ca
         for key in ("hit_rate", "store_hit_rate", "ttft_mean_ms_later_turns", "outputs_identical", "load_imbalance"):
             assert key in s
         assert s["outputs_identical"] is True
-        assert s["requests"] == 6
-    # The router reads the replicas' KV events asynchronously: on a loaded machine a turn can be routed before
-    # the events of the previous one arrive (then the approximate index decides), so allow a little slack.
+        assert s["requests"] == 12
+    # The router reads the replicas' KV events asynchronously and trades cache affinity against load signals
+    # that move with the machine's speed, so one decision can go either way: 4 conversations of 3 turns (12
+    # decisions, histories longer than the shared system prompt by the last turn) keep one unlucky decision
+    # from outweighing the router's advantage (with 3 x 2 it once fell 0.006 short of the bound below).
     assert sysd["router"]["hit_rate"] >= 0.9 * sysd["round-robin"]["hit_rate"]
     assert sysd["ceiling"]["hit_rate"] >= sysd["router"]["hit_rate"] > 0
     assert sysd["router"]["load_imbalance"] <= 1.5
