@@ -57,8 +57,7 @@ import heapq
 import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-
-import numpy as np
+from itertools import accumulate
 
 from kvpool.core.block import BlockHash, KVCacheBlock
 from kvpool.core.eviction import register_policy
@@ -110,8 +109,8 @@ class LHDPolicy(_Slots):
         self.leaves: list[int] = []
         self._num_main = 0
         # Histograms (flat: class * _N_AGE + age bin) and the density table read by evictions.
-        self.h_hit = np.zeros(_N_CLASS * _N_AGE)
-        self.h_evict = np.zeros(_N_CLASS * _N_AGE)
+        self.h_hit = [0.0] * (_N_CLASS * _N_AGE)
+        self.h_evict = [0.0] * (_N_CLASS * _N_AGE)
         self.dens = [0.0] * (_N_CLASS * _N_AGE)
         self.gran = 1  # allocations per age bin
         self._since_refresh = 0
@@ -296,25 +295,35 @@ class LHDPolicy(_Slots):
     def _refresh(self) -> None:
         """Recompute the density table from the histograms, then decay them."""
         self._since_refresh = 0
-        hit = self.h_hit.reshape(_N_CLASS, _N_AGE)
-        ev = self.h_evict.reshape(_N_CLASS, _N_AGE)
+        h_hit, h_ev = self.h_hit, self.h_evict
+        rows = range(0, _N_CLASS * _N_AGE, _N_AGE)
         # Shrinkage: every class gets PRIOR events shaped like the whole pool's.
-        g_hit, g_ev = hit.sum(0), ev.sum(0)
-        g_n = g_hit.sum() + g_ev.sum()
-        if g_n > 0:
-            hit = hit + self.PRIOR * g_hit / g_n
-            ev = ev + self.PRIOR * g_ev / g_n
+        g_hit = [sum(col) for col in zip(*(h_hit[b:b + _N_AGE] for b in rows), strict=True)]
+        g_ev = [sum(col) for col in zip(*(h_ev[b:b + _N_AGE] for b in rows), strict=True)]
+        g_n = sum(g_hit) + sum(g_ev)
+        k = self.PRIOR / g_n if g_n > 0 else 0.0
+        p_hit, p_ev = [k * x for x in g_hit], [k * x for x in g_ev]
         # From the oldest age down: hits at or above each age, and the expected remaining lifetime
         # summed over the events at or above it (an event at age x leaves x - a + 1 bins of life).
-        hits_up = np.cumsum(hit[:, ::-1], axis=1)[:, ::-1]
-        events_up = np.cumsum((hit + ev)[:, ::-1], axis=1)[:, ::-1]
-        life_up = np.cumsum(events_up[:, ::-1], axis=1)[:, ::-1]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            d = np.where(life_up > 0, hits_up / life_up, 0.0)
-        self.dens = d.ravel().tolist()
+        def density(hit: list[float], ev: list[float]) -> list[float]:
+            hit = [x + p for x, p in zip(hit, p_hit, strict=True)]
+            events = [x + e + p for x, e, p in zip(hit, ev, p_ev, strict=True)]
+            hits_up = list(accumulate(reversed(hit)))
+            life_up = list(accumulate(accumulate(reversed(events))))
+            return [h / life if life > 0 else 0.0 for h, life in zip(hits_up, life_up, strict=True)][::-1]
+
+        dens = self.dens
+        prior_only: list[float] | None = None  # the row of every class that has seen nothing yet
+        for b in rows:
+            hit, ev = h_hit[b:b + _N_AGE], h_ev[b:b + _N_AGE]
+            if any(hit) or any(ev):
+                dens[b:b + _N_AGE] = density(hit, ev)
+            else:
+                prior_only = prior_only or density(hit, ev)
+                dens[b:b + _N_AGE] = prior_only
         f = self.decay
-        self.h_hit *= f
-        self.h_evict *= f
+        self.h_hit = [x * f for x in h_hit]
+        self.h_evict = [x * f for x in h_ev]
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """Empty, then low, then cached blocks from the lowest density (a full ranking, for tests: the
