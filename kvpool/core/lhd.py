@@ -212,20 +212,9 @@ class LHDPolicy(_Slots):
         self.where[bid] = _NONE
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
-        out = []
-        for _ in range(n):
-            if self.empty.num_free_blocks:
-                blk = self.empty.popleft()
-            elif self.low.num_free_blocks:
-                blk = self.low.popleft()
-            else:
-                blk = self._evict()
-            bid = blk.block_id
-            self.where[bid] = _NONE
-            self.gen[bid] += 1  # links from its children go stale: it will hold other content
-            out.append(blk)
+        out = self._take_n(n, self._evict)
+        for blk in out:
+            self.gen[blk.block_id] += 1  # links from its children go stale: it will hold other content
         self.now += n
         return out
 

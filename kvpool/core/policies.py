@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvpool.core.block import BlockHash, KVCacheBlock
 from kvpool.core.eviction import register_policy
@@ -79,6 +79,22 @@ class _Slots:
             self.low.append(b)
             self.where[b.block_id] = _LOW
 
+    def _take_n(self, n: int, evict: Callable[[], KVCacheBlock]) -> list[KVCacheBlock]:
+        """n free blocks: empty ones first, then low-value ones, then what `evict` picks."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
+        out = []
+        for _ in range(n):
+            if self.empty.num_free_blocks:
+                blk = self.empty.popleft()
+            elif self.low.num_free_blocks:
+                blk = self.low.popleft()
+            else:
+                blk = evict()
+            self.where[blk.block_id] = _NONE
+            out.append(blk)
+        return out
+
     # Observation hooks: no-ops unless a policy learns from them.
     def on_touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         pass
@@ -116,15 +132,7 @@ class SLRUPolicy(_Slots):
         return (self.empty, self.low, self.probation, self.protected)[where - 1]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
-        out = []
-        for _ in range(n):
-            q = next(q for q in (self.empty, self.low, self.probation, self.protected) if q.num_free_blocks)
-            blk = q.popleft()
-            self.where[blk.block_id] = _NONE
-            out.append(blk)
-        return out
+        return self._take_n(n, lambda: (self.probation if self.probation.num_free_blocks else self.protected).popleft())
 
     def remove(self, block: KVCacheBlock) -> None:
         w = self.where[block.block_id] if block.block_id < self.size else _NONE
@@ -205,19 +213,7 @@ class GreedyDualPolicy(_Slots):
                 return self._blocks[bid]  # type: ignore[return-value]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
-        out = []
-        for _ in range(n):
-            if self.empty.num_free_blocks:
-                blk = self.empty.popleft()
-            elif self.low.num_free_blocks:
-                blk = self.low.popleft()
-            else:
-                blk = self._pop_main()
-            self.where[blk.block_id] = _NONE
-            out.append(blk)
-        return out
+        return self._take_n(n, self._pop_main)
 
     def remove(self, block: KVCacheBlock) -> None:
         bid = block.block_id
