@@ -53,6 +53,20 @@ def snapshot(mgr: KVCacheManager) -> tuple:
             None if mgr.host is None else (list(mgr.host._pinned), list(mgr.host._next_pinned)))
 
 
+def run_request(mgr: KVCacheManager, rid: str, tokens: list[int], block_size: int) -> tuple[list[int], int]:
+    """Admit, compute and finish a request in one go (checking the pool after): the ids of its blocks
+    and its hit tokens."""
+    req = CacheRequest(rid, tokens, hasher=BlockHasher(block_size))
+    hit, n_hit = mgr.get_computed_blocks(req)
+    out = mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit)
+    assert out is not None
+    req.num_computed_tokens = req.num_tokens
+    ids = [b.block_id for b in out.blocks[0]]
+    mgr.free(req)
+    mgr.check_integrity()  # the policy's own invariants too
+    return ids, n_hit
+
+
 def make_request(rid: str, tokens: list[int], block_size: int, **kw: object) -> CacheRequest:
     return CacheRequest(rid, tokens, hasher=BlockHasher(block_size), **kw)  # type: ignore[arg-type]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from helpers import run_request
+
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.lhd import _N_AGE, LHDPolicy, _class
@@ -11,19 +13,7 @@ BS = 4
 
 
 def run(mgr: KVCacheManager, rid: str, tokens: list[int]) -> tuple[list[int], int]:
-    """Admit, compute and finish a request: the ids of its blocks and its hit tokens."""
-    req = CacheRequest(rid, tokens, hasher=BlockHasher(BS))
-    hit, n_hit = mgr.get_computed_blocks(req)
-    out = mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit)
-    assert out is not None
-    req.num_computed_tokens = req.num_tokens
-    ids = [b.block_id for b in out.blocks[0]]
-    mgr.free(req)
-    mgr.check_integrity()
-    check = getattr(mgr.block_pool.policy, "check", None)
-    if check is not None:
-        check()
-    return ids, n_hit
+    return run_request(mgr, rid, tokens, BS)
 
 
 def bid(mgr: KVCacheManager, tokens: list[int], i: int) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import schedule
+from helpers import run_request, schedule
 
 from kvpool.core.block_pool import DeviceBlockPool
 from kvpool.core.eviction import make_policy, policy_names
@@ -20,16 +20,7 @@ def manager(policy: str, num_blocks: int = 9) -> KVCacheManager:
 
 
 def run(mgr: KVCacheManager, rid: str, tokens: list[int]) -> tuple[list[int], int]:
-    """Admit, compute and finish a request: the ids of its new blocks and its hit tokens."""
-    req = CacheRequest(rid, tokens, hasher=BlockHasher(BS))
-    hit, n_hit = mgr.get_computed_blocks(req)
-    out = mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit)
-    assert out is not None
-    req.num_computed_tokens = req.num_tokens
-    ids = [b.block_id for b in out.blocks[0]]
-    mgr.free(req)
-    mgr.check_integrity()
-    return ids, n_hit
+    return run_request(mgr, rid, tokens, BS)
 
 
 def test_registry_names_and_errors() -> None:
