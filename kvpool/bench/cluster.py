@@ -380,6 +380,8 @@ def _restart_probe(a: argparse.Namespace, system: list[int], convs: list[list[tu
                 for h in histories:
                     prompt = h + [rng.randrange(1000, 40000) for _ in range(16)]
                     r = await client.post(f"{rep.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                    if r.status_code != 200:
+                        raise RuntimeError(f"restart probe: {rep.url} answered {r.status_code}: {r.text[:300]}")
                     u = r.json()["usage"]
                     cached += u["prompt_tokens_details"]["cached_tokens"]
                     total += u["prompt_tokens"]

@@ -90,7 +90,7 @@ class HostTier:
             return
         self._add(self._plan.swap_out, self._plan.typed_out, page_type, block.block_id, hb.block_id)
         self._pinned.append((page_type, hb))
-        self._stored(hb, block)
+        self._stored(hb, block, key)  # (the device block has already given up its hash)
 
     def write_through_blocks(self, page_type: int, blocks: Sequence[KVCacheBlock]) -> None:
         """Eager mode: copy newly cached device blocks here once computed (in the next plan)."""
@@ -102,13 +102,12 @@ class HostTier:
             if hb is not None:
                 self._next_out.append((page_type, blk.block_id, hb.block_id))
                 self._next_pinned.append((page_type, hb))
-                self._stored(hb, blk)
+                self._stored(hb, blk, blk.block_hash)
 
-    def _stored(self, host_block: KVCacheBlock, device_block: KVCacheBlock) -> None:
+    def _stored(self, host_block: KVCacheBlock, device_block: KVCacheBlock, key: BlockHash) -> None:
+        """A `BlockStored` for the host copy of `device_block`, whose key is `key`."""
         if self.enable_kv_events:
             host_block.token_ids, host_block.parent_hash = device_block.token_ids, device_block.parent_hash
-            key = device_block.block_hash
-            assert key is not None
             raw = key if device_block.group_id == 0 else key[:-1]
             self._events.append(BlockStored(
                 block_hashes=[raw], parent_block_hash=device_block.parent_hash,

@@ -76,6 +76,7 @@ class Replica:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     routed: int = 0
     failures: int = 0
+    missed_checks: int = 0  # health checks in a row that timed out
     subscriber: EventSubscriber | None = None
 
     @property
@@ -144,6 +145,7 @@ class Router:
         self.pending = RoutedIndex(pending_ttl_s)
         self.recent_half_life_s = recent_half_life_s
         self.health_interval_s = health_interval_s
+        self.down_after_missed_checks = 3
         self.metrics = RouterMetrics()
         for n in self.replicas:  # export zeros from the start, so a dashboard sees every replica
             for c in (self.metrics.hash_mismatch, self.metrics.event_batches, self.metrics.retries):
@@ -209,7 +211,16 @@ class Router:
         try:
             ok = client.get(f"{rep.name}/health").status_code == 200
             text = client.get(f"{rep.name}/metrics").text if ok else ""
-        except httpx.HTTPError:
+            rep.missed_checks = 0
+        except httpx.TimeoutException:
+            # A replica busy with a long prompt can answer late: only a run of missed checks marks it
+            # down (one miss made replicas on a loaded machine flap, and routing around a replica that
+            # holds a conversation's blocks costs that conversation its hits).
+            rep.missed_checks += 1
+            if rep.missed_checks < self.down_after_missed_checks:
+                return
+            ok, text = False, ""
+        except httpx.HTTPError:  # refused, reset: the process is gone
             ok, text = False, ""
         with self._lock:
             if ok != rep.healthy:

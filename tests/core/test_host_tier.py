@@ -34,6 +34,20 @@ def test_evicted_cached_blocks_are_sheltered_in_the_host_tier() -> None:
     mgr.check_integrity()
 
 
+def test_sheltering_an_evicted_block_publishes_its_host_copy() -> None:
+    # The eviction listener runs after the device block gave up its hash: the event must still name it
+    # (this once failed an assertion and stopped a replica serving with KV events and a host tier).
+    mgr = KVCacheManager(6, BS, num_host_blocks=4, enable_kv_events=True)
+    a, plan = fill_and_evict(mgr)
+    assert plan.swap_out == [(3, 0), (2, 1)]
+    events = mgr.take_events()
+    host_stored = [e for e in events if type(e).__name__ == "BlockStored" and e.medium == HostBlockPool.medium]
+    assert [e.block_hashes for e in host_stored] == [[a.block_hashes[2]], [a.block_hashes[1]]]
+    assert [list(e.token_ids) for e in host_stored] == [list(range(8, 12)), list(range(4, 8))]
+    assert host_stored[1].parent_block_hash == a.block_hashes[0]
+    mgr.check_integrity()
+
+
 def test_lookup_continues_into_the_host_tier_and_allocation_swaps_in() -> None:
     mgr = KVCacheManager(6, BS, num_host_blocks=4)
     fill_and_evict(mgr)

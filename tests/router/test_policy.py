@@ -95,3 +95,47 @@ def test_router_hashes_like_the_replicas_including_the_salt() -> None:
     assert salted[0] != plain[0]
     assert r.tokens_of("/v1/completions", {"prompt": toks, "cache_salt": "s"}) == (toks, "s")
     assert r.tokens_of("/v1/completions", {"prompt": "text"}) == (None, None)  # no tokenizer: route by load
+
+
+def test_router_marks_a_replica_down_after_a_run_of_missed_health_checks() -> None:
+    import socket
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    delay = [0.5]
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                time.sleep(delay[0])
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    with socket.socket() as s:  # a port nothing listens on: a replica whose process is gone
+        s.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{s.getsockname()[1]}"
+    r = Router([ReplicaSpec(url), ReplicaSpec(gone)], block_size=16)
+    busy, dead = r.replicas[url], r.replicas[gone]
+    try:
+        with httpx.Client(timeout=0.1) as client:
+            for i in range(r.down_after_missed_checks):
+                assert busy.healthy, f"down after {i} missed checks"
+                r._check(client, busy)
+            assert not busy.healthy  # a run of them: down
+            delay[0] = 0.0
+            r._check(client, busy)
+            assert busy.healthy and busy.missed_checks == 0  # answers again: back at once
+            r._check(client, dead)
+            assert not dead.healthy  # refused: down at the first check
+    finally:
+        server.shutdown()
