@@ -166,7 +166,7 @@ struct KeyStream {
 
   // Not inlined: called from inside attend's tile loop, where its loop would crowd the registers.
   __attribute__((noinline)) void ask(int64_t tiles) {
-    for (; tiles > 0; --tiles) {
+    for (; tiles > 0 && b < end; --tiles) {  // (b == end: every own key has been asked for)
       while (pos >= lens[b]) {
         if (++b >= end) return;
         pos = shared;
