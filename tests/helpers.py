@@ -83,6 +83,26 @@ def make_tiny_model(path: Path, config_cls: str, model_cls: str, seed: int = 0, 
     return path
 
 
+# The tiny hybrid models of the host-tier and store tests: Gemma-3 (5 sliding-window layers of window 24 and
+# one full-attention layer) and LFM2 (short-convolution states and attention).
+TINY_HYBRID_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def make_tiny_hybrid_gemma3(path: Path) -> Path:
+    return make_tiny_model(path, "Gemma3TextConfig", "Gemma3ForCausalLM", num_hidden_layers=6, head_dim=16,
+                           query_pre_attn_scalar=16, sliding_window=24,
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"], **TINY_HYBRID_COMMON)
+
+
+def make_tiny_hybrid_lfm2(path: Path) -> Path:
+    return make_tiny_model(path, "Lfm2Config", "Lfm2ForCausalLM", num_hidden_layers=6, conv_L_cache=3,
+                           block_auto_adjust_ff_dim=False,
+                           layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+                           **TINY_HYBRID_COMMON)
+
+
 def make_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 

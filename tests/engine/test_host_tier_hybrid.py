@@ -11,14 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import TINY_VOCAB, hf_greedy, make_tiny_model
+from helpers import TINY_VOCAB, hf_greedy, make_tiny_hybrid_gemma3, make_tiny_hybrid_lfm2
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 
-COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, eos_token_id=None,
-              bos_token_id=None, pad_token_id=None)
 BS = 4
 PREFIX = [(7 * i + 3) % TINY_VOCAB for i in range(70)]
 FIRST, AGAIN = [*PREFIX, 11, 12, 13], [*PREFIX, 21, 22]
@@ -31,17 +28,12 @@ HIT = {"gemma3": 68, "lfm2": 64}
 
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3-host"), "Gemma3TextConfig", "Gemma3ForCausalLM",
-                           num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=24,
-                           layer_types=["sliding_attention"] * 5 + ["full_attention"], **COMMON)
+    return make_tiny_hybrid_gemma3(tmp_path_factory.mktemp("tiny-gemma3-host"))
 
 
 @pytest.fixture(scope="module")
 def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-lfm2-host"), "Lfm2Config", "Lfm2ForCausalLM",
-                           num_hidden_layers=6, conv_L_cache=3, block_auto_adjust_ff_dim=False,
-                           layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
-                           **COMMON)
+    return make_tiny_hybrid_lfm2(tmp_path_factory.mktemp("tiny-lfm2-host"))
 
 
 # Device pools that hold one long request and little else; host tiers that hold everything.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import TINY_VOCAB, make_tiny_hybrid_gemma3, make_tiny_hybrid_lfm2
 
 from kvpool.core.block import group_key
 from kvpool.core.request import CacheRequest
@@ -21,9 +21,6 @@ from kvpool.store import open_store
 from kvpool.store.hybrid import FULL, SLIDING, STATE, hit_point
 from kvpool.store.server import RedisServer
 
-COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, eos_token_id=None,
-              bos_token_id=None, pad_token_id=None)
 BS = 4
 N_OUT = 8
 # Three unrelated 70-token prompts: each can hit 17 blocks (68 tokens; the last token is recomputed).
@@ -38,17 +35,12 @@ POOLS = {"gemma3": dict(num_blocks=400, num_host_blocks=600), "lfm2": dict(num_b
 
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3-store"), "Gemma3TextConfig", "Gemma3ForCausalLM",
-                           num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=24,
-                           layer_types=["sliding_attention"] * 5 + ["full_attention"], **COMMON)
+    return make_tiny_hybrid_gemma3(tmp_path_factory.mktemp("tiny-gemma3-store"))
 
 
 @pytest.fixture(scope="module")
 def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-lfm2-store"), "Lfm2Config", "Lfm2ForCausalLM",
-                           num_hidden_layers=6, conv_L_cache=3, block_auto_adjust_ff_dim=False,
-                           layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
-                           **COMMON)
+    return make_tiny_hybrid_lfm2(tmp_path_factory.mktemp("tiny-lfm2-store"))
 
 
 def make(path: Path, model: str, url: str | None, **kw: object) -> LLM:
