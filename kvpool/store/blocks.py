@@ -42,6 +42,21 @@ def block_nbytes(caches: Caches) -> int:
     return 2 * len(caches) * heads * block * dim * k.element_size()
 
 
+def _split(rows: torch.Tensor) -> list[bytes]:
+    """One bytes object per row of a (n, bytes) uint8 tensor."""
+    raw = rows.numpy().tobytes()
+    n = rows.shape[1]
+    return [raw[i * n:(i + 1) * n] for i in range(rows.shape[0])]
+
+
+def _joined(payloads: Sequence[bytes], want: int, what: str, dtype: torch.dtype) -> torch.Tensor:
+    """The payloads, each checked to be `want` bytes (one `what` of this layout), as one flat tensor."""
+    for p in payloads:
+        if len(p) != want:
+            raise ValueError(f"payload: {len(p)} bytes, a {what} of this layout has {want}")
+    return torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(dtype)
+
+
 def gather(caches: Caches, block_ids: Sequence[int]) -> list[bytes]:
     """One payload per block: layer by layer, K then V, each (kv_heads, block_size, head_dim) row-major."""
     if not block_ids:
@@ -49,23 +64,16 @@ def gather(caches: Caches, block_ids: Sequence[int]) -> list[bytes]:
     idx = torch.tensor(list(block_ids), dtype=torch.long)
     # (layers, 2, heads, n, block, dim) -> (n, layers, 2, heads, block, dim): one contiguous run per block.
     stacked = torch.stack([torch.stack((k.index_select(1, idx), v.index_select(1, idx))) for k, v in caches])
-    per_block = stacked.permute(3, 0, 1, 2, 4, 5).contiguous().view(torch.uint8).reshape(len(block_ids), -1)
-    raw = per_block.numpy().tobytes()
-    n = per_block.shape[1]
-    return [raw[i * n:(i + 1) * n] for i in range(len(block_ids))]
+    return _split(stacked.permute(3, 0, 1, 2, 4, 5).contiguous().view(torch.uint8).reshape(len(block_ids), -1))
 
 
 def scatter(caches: Caches, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
     """Write payloads into the given host blocks (the inverse of `gather`)."""
     if not block_ids:
         return
-    want = block_nbytes(caches)
-    for p in payloads:
-        if len(p) != want:
-            raise ValueError(f"payload: {len(p)} bytes, a block of this layout has {want}")
     k0 = caches[0][0]
     heads, _, block, dim = k0.shape
-    data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(k0.dtype)
+    data = _joined(payloads, block_nbytes(caches), "block", k0.dtype)
     blocks = data.reshape(len(block_ids), len(caches), 2, heads, block, dim)
     idx = torch.tensor(list(block_ids), dtype=torch.long)
     for layer, (k, v) in enumerate(caches):
@@ -98,21 +106,15 @@ def gather_pages(slots: Slots, page_ids: Sequence[int]) -> list[bytes]:
         return []
     idx = torch.tensor(list(page_ids), dtype=torch.long)
     per_page = torch.stack([s.index_select(0, idx) for s in slots], dim=1).contiguous()  # (n, slots, elems)
-    raw = per_page.view(torch.uint8).reshape(len(page_ids), -1).numpy().tobytes()
-    n = len(raw) // len(page_ids)
-    return [raw[i * n:(i + 1) * n] for i in range(len(page_ids))]
+    return _split(per_page.view(torch.uint8).reshape(len(page_ids), -1))
 
 
 def scatter_pages(slots: Slots, page_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
     """Write payloads into the given host pages (the inverse of `gather_pages`)."""
     if not page_ids:
         return
-    want = pages_nbytes(slots)
-    for p in payloads:
-        if len(p) != want:
-            raise ValueError(f"payload: {len(p)} bytes, a page of this layout has {want}")
     s0 = slots[0]
-    data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(s0.dtype)
+    data = _joined(payloads, pages_nbytes(slots), "page", s0.dtype)
     pages = data.reshape(len(page_ids), len(slots), s0.shape[1])
     idx = torch.tensor(list(page_ids), dtype=torch.long)
     for i, s in enumerate(slots):
