@@ -62,6 +62,27 @@ inline __m512 exp_nonpositive(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+// 2^t for t <= 0 on sixteen lanes: the attention kernels keep scores in base-2 units (scaled by log2(e)
+// once, with the softmax scale), which leaves exp's range reduction one rounding and one subtraction.
+// 2^round(t) by vscalefps times a degree-5 polynomial for 2^f on [-1/2, 1/2] (coefficients fitted for
+// relative error, ~2.4e-7 in fp32: fp32 rounding). Clamped at -126, so 2^n is never subnormal and a
+// masked lane's -inf gives a tiny number (that the caller zeroes) rather than NaN.
+inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3276358e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755028e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507131e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 2^t for one t <= 0, by the same arithmetic as the sixteen-lane form.
+inline float exp2_nonpositive(float t) { return _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps(t))); }
 #endif
 
 }  // namespace kvpool_kernels

@@ -7,7 +7,8 @@
 // times the kv head's query heads, so every key and value loaded serves all of them. A decode task is
 // (group of sequences, kv head): all their rows read the shared keys together, then each its own. Keys come 16 at a time:
 // repacked into pairs along head_dim (keys) or along tokens (values), both products run on the bf16
-// dot-product instruction (exact products, fp32 sums), with an online softmax in fp32 between them.
+// dot-product instruction (exact products, fp32 sums), with an online softmax in fp32 (base 2)
+// between them.
 // Probabilities are rounded to bf16 for the value product, as PyTorch's CPU flash kernel does.
 //
 // Register blocking: scores are computed for up to 12 rows against several tiles at once (12 rows x 2
@@ -37,6 +38,7 @@ using Bf16 = c10::BFloat16;
 constexpr int64_t kMaxRows = 96;  // rows (query position x head of the group) of one task
 constexpr int64_t kRowBlock = 12;  // rows whose scores are computed together against one key tile
 constexpr int64_t kMaxTiles = 8;   // tiles of 16 keys read per pass (see Rows::tiles_for)
+constexpr int64_t kAheadTiles = 8; // tiles asked for beyond the next pass (see Rows::attend)
 
 struct Task {
   int64_t seq, head, first, count;  // prompt: queries [first, first + count) of sequence `seq`;
@@ -198,7 +200,7 @@ struct Rows {
   int32_t pos[kMaxRows];
   int32_t low[kMaxRows];
   alignas(64) float acc[kMaxRows][DIM];
-  float m[kMaxRows];
+  float m[kMaxRows];  // per row, the running maximum of its scores, in base-2 units (times log2(e))
   alignas(64) float lv[kMaxRows][16];  // per row, the softmax denominators' partial sums by lane
 
   void add(const Bf16* query, int64_t position, int64_t first_visible) {
@@ -305,7 +307,7 @@ struct Rows {
     alignas(64) int32_t pb[kRowBlock][8];   // a row block's probabilities for one tile, as bf16 pairs
     bool seen[kRowBlock];                   // whether the row sees any key of that tile
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 vscale = _mm512_set1_ps(pg.scale);
+    const __m512 vscale = _mm512_set1_ps(pg.scale * kLog2e);  // scores in base-2 units (see exp2_nonpositive)
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
 
     // Tiles of 16 keys at fixed positions (multiples of 16), two at a time; a row's softmax still moves
@@ -339,13 +341,16 @@ struct Rows {
         }
       }
       if (!stream && t0 + 16 * per_pass < key_hi) {
-        // Blocks are scattered, so the hardware prefetcher cannot see the next tiles coming: ask for the
-        // whole next pass and four tiles beyond while these compute (few rows per tile, as in decoding,
-        // leave little else to hide it; prefetching only the next pass's first two tiles left a decode
-        // step ~5% slower, alternating A/B; two tiles beyond instead of four left a group's shared keys
-        // ~10% slower where its blocks lie in order, as a fresh pool allocates them, and made no
-        // difference where they lie at random or for prompt chunks).
-        for (int64_t nt0 = t0 + 16 * per_pass; nt0 < std::min(t0 + 16 * (2 * per_pass + 4), key_hi); nt0 += 16) {
+        // Blocks are scattered, so the hardware prefetcher cannot see the next tiles coming: keep the tiles
+        // up to kAheadTiles beyond the next pass asked for while these compute (few rows per tile, as in
+        // decoding, leave little else to hide it). The first pass asks for all of them, each later pass for
+        // the per_pass tiles that came into range: asking again for tiles already on their way cost a
+        // group's shared keys ~5% (their prefetches outnumbered the new ones two to one); 4 tiles beyond
+        // instead of 8 left them ~4% slower, 16 no faster.
+        const bool first_pass = t0 == key_lo - key_lo % 16;
+        const int64_t from = t0 + 16 * (first_pass ? per_pass : per_pass + kAheadTiles);
+        const int64_t to = std::min(t0 + 16 * (2 * per_pass + kAheadTiles), key_hi);
+        for (int64_t nt0 = from; nt0 < to; nt0 += 16) {
           const int64_t next = table[nt0 / block_size] * s_block + (nt0 % block_size) * s_token;
           for (int64_t t = 0; t < 16; ++t) {
             for (int64_t off = 0; off < DIM; off += 32) {
@@ -382,14 +387,14 @@ struct Rows {
             // for the horizontal maximum and the rescaling only then (after a row's first tiles, rarely).
             if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(m[r]), _CMP_GT_OQ)) {
               const float m_tile = _mm512_reduce_max_ps(x);
-              const __m512 va = _mm512_set1_ps(exp_nonpositive(m[r] - m_tile));
+              const __m512 va = _mm512_set1_ps(exp2_nonpositive(m[r] - m_tile));
               for (int64_t c = 0; c < kChunks; ++c) {
                 _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), va));
               }
               _mm512_store_ps(lv[r], _mm512_mul_ps(_mm512_load_ps(lv[r]), va));
               m[r] = m_tile;
             }
-            const __m512 pr = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
+            const __m512 pr = _mm512_maskz_mov_ps(vis, exp2_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m[r]))));
             _mm512_store_ps(lv[r], _mm512_add_ps(_mm512_load_ps(lv[r]), pr));
             _mm256_store_si256(reinterpret_cast<__m256i*>(pb[i]), (__m256i)_mm512_cvtneps_pbh(pr));
           }
