@@ -212,9 +212,10 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int, *, kernel: bool 
         meta.decode_mask &= pos[None, :] >= meta.decode_lows[:, None]
 
 
-def plan_prefill_batch(meta: AttentionMetadata) -> None:
-    """The multi-token chunks' rows, context lengths and whole block tables, for the prefill kernel."""
-    idx = [i for i, s in enumerate(meta.seqs) if s.num_queries > 1]
+def plan_prefill_batch(meta: AttentionMetadata, *, decode_rows: bool = False) -> None:
+    """The multi-token chunks' rows, context lengths and whole block tables, for the prefill kernel
+    (`decode_rows`: the single-query sequences' too)."""
+    idx = [i for i, s in enumerate(meta.seqs) if decode_rows or s.num_queries > 1]
     if not idx:
         return
     dev = meta.slot_mapping.device

@@ -123,6 +123,12 @@ class CpuKernelBackend(AttentionBackend):
         plan_windows(meta, self.block_size)
         if self.cascade and not self.prefill:  # (with the prefill kernel, no row is left for a cascade)
             plan_cascades(meta, self.block_size, self.min_cascade_tokens, skip_decodes=True)
+        if self.prefill and meta.window is not None:
+            # Sliding-window layers: decode rows through the prefill kernel too, as one-query chunks, so a
+            # token's arithmetic is the same whether it was decoded or is recomputed in a prompt (after a
+            # preemption), and bf16 tokens do not depend on the batch, the allocator or the chunk size.
+            plan_prefill_batch(meta, decode_rows=True)
+            return
         plan_decode_batch(meta, self.block_size, kernel=True, grouped=self.prefill)
         if self.prefill:
             plan_prefill_batch(meta)

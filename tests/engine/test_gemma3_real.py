@@ -53,3 +53,31 @@ def test_host_tier_restores_every_group_of_a_long_prefix(gemma_dir: Path) -> Non
     kv = llm.engine.kv
     assert kv.stats.host_hits > outs[2].num_cached_tokens // 2  # most of the hit came from the host tier
     kv.check_integrity()
+
+
+def test_bf16_tokens_do_not_depend_on_allocator_caching_chunking_or_preemption(gemma_dir: Path) -> None:
+    # bf16 on the kernels: every attention row of Gemma-3 (head_dim 256) goes through the prefill kernel,
+    # prompt chunks and decode rows alike, whose arithmetic per row does not depend on the batch. So the
+    # hybrid and the uniform allocator, prefix caching on and off, another chunk size and a pool small
+    # enough to preempt (decoded tokens recomputed in a prompt chunk) all give the same tokens.
+    docs = [" ".join(f"Item {i} weighs {(i * 37) % 100} grams." for i in range(60)),
+            " ".join(f"City {i} has {(i * 53) % 1000} trees." for i in range(55))]
+    kw = dict(dtype="bfloat16", block_size=16, max_num_batched_tokens=256)
+    base = LLM(str(gemma_dir), num_blocks=900, **kw)
+    assert base.engine.runner.prefill_kernel, "the bf16 prefill kernel must take head_dim 256 on this machine"
+    prompts = [base.engine.encode(d + f"\nQuestion: what about number {q}?\nAnswer:") for d in docs for q in (5, 17)]
+    assert min(map(len, prompts)) > 512  # past the sliding window
+    sp = SamplingParams.greedy(40)
+    want = [o.token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
+    settings = {
+        "uniform allocator": dict(hybrid_allocator=False, num_blocks=300),
+        "no prefix caching, chunks of 64": dict(enable_prefix_caching=False, max_num_batched_tokens=64),
+        "a pool that preempts": dict(num_blocks=250, max_num_batched_tokens=64),
+    }
+    for name, setting in settings.items():
+        llm = LLM(str(gemma_dir), **{**kw, "num_blocks": 900, **setting})
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == want, name
+        if name == "a pool that preempts":
+            assert llm.engine.scheduler.stats.num_preemptions > 0
+        llm.engine.kv.check_integrity()

@@ -77,6 +77,8 @@ CASES = {
     "several sequences, tiles of one and many queries": dict(seqs=[(2, 40), (70, 70), (21, 333), (5, 16)]),
     "sliding window, released blocks before it": dict(seqs=[(40, 90), (30, 30), (3, 77)], window=24),
     "head_dim 128, blocks of 32, group of 8": dict(seqs=[(33, 80), (64, 64)], heads=16, kv_heads=2, dim=128, bs=32),
+    "head_dim 256 (Gemma-3), group of 4": dict(seqs=[(30, 90), (7, 7), (2, 41)], heads=4, kv_heads=1, dim=256),
+    "head_dim 256, sliding window": dict(seqs=[(29, 100), (17, 17)], heads=4, kv_heads=1, dim=256, window=40),
     "no GQA": dict(seqs=[(19, 50)], heads=4, kv_heads=4),
     "block-major pages": dict(seqs=[(30, 61), (9, 9)], block_major=True),
 }
@@ -144,10 +146,11 @@ def grouped_scenario(groups, heads=9, kv_heads=3, dim=64, bs=16, seed=3):
     return q, kc, vc, torch.tensor(tables), torch.tensor(lens), torch.tensor(starts), torch.tensor(shared)
 
 
-def test_grouped_decode_matches_reference(op) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 256)])
+def test_grouped_decode_matches_reference(op, heads: int, kv_heads: int, dim: int) -> None:
     # Groups of 3, 1 (nothing shared) and 40 (more rows than one task holds: split across tasks).
     q, kc, vc, tables, lens, starts, shared = grouped_scenario(
-        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])])
+        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])], heads=heads, kv_heads=kv_heads, dim=dim)
     # The decode rows sit among other rows of the step (a prompt chunk's), in another order: the kernel reads
     # and writes only theirs.
     b = q.shape[0]

@@ -300,8 +300,9 @@ struct Rows {
   // With a stream, the keys come from it (a decode sequence's own keys); else each pass asks for the next.
   void attend(int64_t row_begin, int64_t row_end, const Paged& pg, int64_t h, const int64_t* table, int64_t key_lo,
               int64_t key_hi, KeyStream<DIM>* stream = nullptr) {
-    // Rows sharing one load of a value chunk in add_values: as many as keep their sums in registers.
-    constexpr int64_t kPvRows = DIM == 64 ? 4 : 2;
+    // Rows sharing one load of a value chunk in add_values: as many as keep their sums in registers
+    // (a row's sums take DIM / 16 of the 32 vector registers).
+    constexpr int64_t kPvRows = DIM == 64 ? 4 : DIM == 128 ? 2 : 1;
     const Bf16* k = pg.k + h * pg.s_head;
     const Bf16* v = pg.v + h * pg.s_head;
     const int64_t block_size = pg.block_size, s_block = pg.s_block, s_token = pg.s_token;
@@ -411,7 +412,7 @@ struct Rows {
             for (; i + kPvRows <= live_rows; i += kPvRows) add_values<kPvRows>(r0 + i, pb + i, *vp[u]);
             // The rest together too (a decode sequence's own keys: its 3 heads' rows).
             if (kPvRows >= 3 && live_rows - i == 3) add_values<3>(r0 + i, pb + i, *vp[u]), i += 3;
-            if (live_rows - i == 2) add_values<2>(r0 + i, pb + i, *vp[u]), i += 2;
+            if (kPvRows >= 2 && live_rows - i == 2) add_values<2>(r0 + i, pb + i, *vp[u]), i += 2;
           }
           for (; i < live_rows; ++i) {
             if (seen[i]) add_values<1>(r0 + i, pb + i, *vp[u]);
@@ -471,7 +472,7 @@ void decode_group_task(const Paged& pg, const int64_t* tables, int64_t width, co
 
 bool prefill_supported(int64_t dim, int64_t block_size) {
 #ifdef KVPOOL_AVX512_BF16
-  return (dim == 64 || dim == 128) && block_size % 16 == 0;
+  return (dim == 64 || dim == 128 || dim == 256) && block_size % 16 == 0;
 #else
   (void)dim;
   (void)block_size;
@@ -504,7 +505,7 @@ void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tens
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= kMaxRows,
               "heads / kv_heads must be a whole number <= ", kMaxRows);
   TORCH_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
-              "needs AVX-512 BF16, head_dim 64 or 128 and block_size a multiple of 16");
+              "needs AVX-512 BF16, head_dim 64, 128 or 256 and block_size a multiple of 16");
   TORCH_CHECK(!packed || (k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3)),
               "packed caches must have each block's tokens contiguous");
 }
@@ -554,7 +555,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   }
 #ifdef KVPOOL_AVX512_BF16
   const Paged pg(q, out, k_cache, v_cache, scale, packed);
-  auto* fn = dim == 64 ? &prefill_task<64> : &prefill_task<128>;
+  auto* fn = dim == 64 ? &prefill_task<64> : dim == 128 ? &prefill_task<128> : &prefill_task<256>;
   run_tasks(tasks, [&](const Task& t) { fn(pg, seqs[t.seq], t, window); });
 #endif
   return out;
@@ -617,7 +618,7 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
   }
 #ifdef KVPOOL_AVX512_BF16
   const Paged pg(q, out, k_cache, v_cache, scale, packed);
-  auto* fn = dim == 64 ? &decode_group_task<64> : &decode_group_task<128>;
+  auto* fn = dim == 64 ? &decode_group_task<64> : dim == 128 ? &decode_group_task<128> : &decode_group_task<256>;
   run_tasks(tasks, [&](const Task& t) { fn(pg, tp, width, ln, ro, t, sh[t.seq]); });
 #endif
   return out;
