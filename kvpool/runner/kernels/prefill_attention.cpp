@@ -296,7 +296,7 @@ struct Rows {
   }
 
   // Rows [row_begin, row_end) over keys [key_lo, key_hi) of `table`, in kv head h's pages.
-  // With a stream, the keys come from it (a decode sequence's own keys); else each pass asks for the next.
+  // With a stream, the keys asked for come from it (a decode sequence's own keys); else from the table (ask_tile).
   void attend(int64_t row_begin, int64_t row_end, const Paged& pg, int64_t h, const int64_t* table, int64_t key_lo,
               int64_t key_hi, KeyStream<DIM>* stream = nullptr) {
     // Rows sharing one load of a value chunk in add_values: as many as keep their sums in registers
