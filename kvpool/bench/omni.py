@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinker-tokens", type=int, default=8)
     p.add_argument("--talker-tokens", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="both stages (batch-invariant kernels exist for both)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="both stages (batch-invariant kernels exist for both; auto: bf16 where native)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
 

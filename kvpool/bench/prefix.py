@@ -130,10 +130,12 @@ def run_transformers(prompts: list[list[int]], out_len: int, batch: int, dtype: 
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
+    from kvpool.runner.dtypes import resolve_dtype
     from kvpool.runner.model_files import resolve_model
 
     path = resolve_model(model)
-    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    # The engine's dtype (`auto` resolved as the engine resolves it on the CPU), so the outputs compare.
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch.device("cpu")))
     ref.eval()
 
     class FirstToken(LogitsProcessor):
@@ -237,7 +239,7 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
             systems[name], outputs[name] = run_kvpool(prompts, a.output_len, False, a.runs, engine_kw, warmup=warm)
         elif name == "transformers":
             systems[name], outputs[name] = run_transformers(prompts, a.output_len, a.hf_batch_size,
-                                                            engine_kw.get("dtype", "bfloat16"), engine_kw.get("model"))
+                                                            engine_kw.get("dtype", "auto"), engine_kw.get("model"))
         else:
             raise ValueError(f"systems: unknown system {name!r}")
     hit = systems.get("kvpool", {}).get("hit_rate", 0.0)

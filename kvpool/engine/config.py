@@ -96,7 +96,9 @@ class RunnerConfig:
     """The model and how it runs: weights, dtype, device, kernels, per-token outputs, images."""
 
     model: str | None = option(None, "local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    dtype: str = option("bfloat16", "weights and KV cache dtype", choices=("bfloat16", "float32", "float16"))
+    dtype: str = option("auto", "weights and KV cache dtype; auto: bfloat16 where the hardware multiplies it "
+                        "natively (AVX-512 BF16, AMX, Arm BF16, CUDA), float32 elsewhere",
+                        choices=("auto", "bfloat16", "float32", "float16"))
     device: str | None = option(None, "cpu or cuda (default: cuda when present)")
     skip_tokenizer_init: bool = False
     # Omni stages: collect per-token outputs (final hidden states, plus the residual stream after each of

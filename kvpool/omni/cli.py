@@ -16,8 +16,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", type=int, default=None, help="thinker layer whose states are passed on (default: middle)")
     p.add_argument("--no-prefix-caching", action="store_true", help="both stages: no prefix (or stage-output) caching")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="both stages (batch-invariant kernels exist for both)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="both stages (batch-invariant kernels exist for both; auto: bf16 where native)")
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--seed", type=int, default=0, help="seed of the talker, connector and vision tower weights")
 

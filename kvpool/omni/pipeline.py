@@ -171,13 +171,13 @@ class Pipeline:
 def reference_pipeline(thinker: str | None = None, talker: str | None = None, *, enable_prefix_caching: bool = True,
                        thinker_tokens: int = 32, talker_tokens: int = 32, layer: int | None = None,
                        thinker_engine: dict[str, Any] | None = None, talker_engine: dict[str, Any] | None = None,
-                       vision: bool | dict[str, Any] = False, seed: int = 0, dtype: str = "bfloat16") -> Pipeline:
+                       vision: bool | dict[str, Any] = False, seed: int = 0, dtype: str = "auto") -> Pipeline:
     """Thinker (SmolLM2 by default) -> talker (seeded random decoder emitting codes).
 
     The thinker passes its final hidden states and the residual stream after its middle layer
-    (`layer`). Both stages run in batch-invariant mode (in `dtype`: bfloat16 or float32), so the
-    talker receives the same bits, and emits the same codes, with prefix caching on or off. `vision`
-    gives the thinker a seeded random vision tower (`TinyVisionEncoder`, a dict: its keyword
+    (`layer`). Both stages run in batch-invariant mode (in `dtype`: bfloat16 or float32; `auto` picks one,
+    see kvpool.runner.dtypes), so the talker receives the same bits, and emits the same codes, with prefix
+    caching on or off. `vision` gives the thinker a seeded random vision tower (`TinyVisionEncoder`, a dict: its keyword
     arguments) for image inputs.
     """
     from kvpool.omni.talker import default_talker_dir

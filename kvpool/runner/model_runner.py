@@ -30,6 +30,7 @@ from kvpool.core.swap import SwapPlan
 from kvpool.runner import kernels
 from kvpool.runner.attention import AttentionMetadata, SeqAttn
 from kvpool.runner.attention_backends import select_backend
+from kvpool.runner.dtypes import resolve_dtype
 from kvpool.runner.encoder_cache import EncoderCache
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
@@ -44,16 +45,8 @@ from kvpool.runner.state_cache import PagedBuffers, StateMetadata, large_page_by
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 # What a step plans per KV cache group: attention over blocks, cross-attention to an image, or states.
 GroupMetadata = AttentionMetadata | CrossAttentionMetadata | StateMetadata
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype: {name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 def default_device() -> torch.device:
@@ -123,7 +116,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, *, dtype: str = "bfloat16", block_size: int = 16,
+    def __init__(self, model_dir: Path, *, dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
                  enable_cascade: bool = True, hybrid: bool = True, stage_outputs: bool = False,
                  stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
@@ -131,7 +124,7 @@ class ModelRunner:
         self.enable_cascade = enable_cascade
         self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
         self.device = torch.device(device) if device else default_device()
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, self.device)
         if batch_invariant and self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"batch_invariant: needs dtype float32 or bfloat16, got {dtype!r}")
         t0 = time.perf_counter()

@@ -107,7 +107,7 @@ def fused_ops() -> Any:
 
 
 def prefill_supported(head_dim: int, block_size: int) -> bool:
-    """Whether this CPU and these shapes suit the prefill kernel (AVX-512 BF16, head_dim 64/128, blocks
+    """Whether this CPU and these shapes suit the prefill kernel (AVX-512 BF16, head_dim 64/128/256, blocks
     a multiple of 16 tokens)."""
     return _library() and bool(torch.ops.kvpool.prefill_supported(head_dim, block_size))
 
