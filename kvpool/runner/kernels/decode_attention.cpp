@@ -15,6 +15,10 @@
 
 #include "common.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace kvpool_kernels;
@@ -72,6 +76,41 @@ inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, int64
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight vectors of partial sums -> one vector of their eight totals, in order (sum16's AVX2 twin).
+inline __m256 sum8(const __m256* v) {
+  const __m256 x0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 x1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x0, x1, 0x20), _mm256_permute2f128_ps(x0, x1, 0x31));
+}
+
+// Scores of up to 8 fp32 keys against the group's scaled fp32 queries `qf`: scores[g][col..col+n).
+// Without it the generic loop below sums each score in one dependent chain of scalar FMAs (the compiler
+// may not reorder a float sum), which left decode attention several times slower on AVX2-only CPUs.
+template <int64_t DIM>
+inline void scores_f32(const float (*qf)[kMaxDim], const float* keys, int64_t n, int64_t s_token, int64_t group,
+                       float (*scores)[kMaxBlock], int64_t col) {
+  static_assert(DIM % 8 == 0, "whole 8-element vectors");
+  constexpr int64_t kChunks = DIM / 8;
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 acc[8];
+    for (int64_t t = 0; t < 8; ++t) {
+      __m256 a = _mm256_setzero_ps();
+      if (t < n) {
+        for (int64_t c = 0; c < kChunks; ++c) {
+          a = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + c * 8), _mm256_loadu_ps(keys + t * s_token + c * 8), a);
+        }
+      }
+      acc[t] = a;
+    }
+    alignas(32) float tile[8];
+    _mm256_store_ps(tile, sum8(acc));
+    for (int64_t t = 0; t < n; ++t) scores[g][col + t] = tile[t];
+  }
+}
+#define KVPOOL_AVX2_F32 1
+#endif
+
 // DIM > 0 fixes head_dim at compile time, so the loops over it unroll into whole vector registers;
 // DIM == 0 is the generic fallback for other sizes.
 template <typename T, int64_t DIM>
@@ -117,6 +156,13 @@ void decode_one(const T* q, T* out, const T* k_cache, const T* v_cache, const in
     if constexpr (std::is_same_v<T, c10::BFloat16> && DIM > 0 && DIM % 32 == 0) {
       for (int64_t t = 0; t < n; t += 16) {
         scores_bf16<DIM>(q, kb + t * s_token, std::min<int64_t>(16, n - t), s_token, group, scale, p, t);
+      }
+    } else
+#endif
+#ifdef KVPOOL_AVX2_F32
+    if constexpr (std::is_same_v<T, float> && DIM > 0 && DIM % 8 == 0) {
+      for (int64_t t = 0; t < n; t += 8) {
+        scores_f32<DIM>(qf, kb + t * s_token, std::min<int64_t>(8, n - t), s_token, group, p, t);
       }
     } else
 #endif
