@@ -177,7 +177,7 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int, *, kernel: bool 
         return
     dev = meta.slot_mapping.device
     if kernel and grouped and meta.window is None:
-        # bf16: every decode row goes through kvpool::paged_decode_grouped, in groups of sequences
+        # Every decode row goes through kvpool::paged_decode_grouped, in groups of sequences
         # sharing a prefix (its keys read once for all of them) or alone. Its arithmetic per row does not
         # depend on the grouping, so tokens come out the same with prefix caching on or off.
         groups = shared_prefix_groups(meta.seqs, idx, block_size, MIN_CASCADE_TOKENS)

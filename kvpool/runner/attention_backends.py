@@ -115,6 +115,9 @@ class CpuKernelBackend(AttentionBackend):
         if prefill and self.prefill_op is None:
             raise RuntimeError("CpuKernelBackend: kvpool's prefill kernel did not build on this machine")
         self.prefill = prefill
+        # Decode rows sharing a cached prefix read its keys once for the group: the bf16 kernels' grouped
+        # form, or in fp32 the decode kernel's (any CPU; the same arithmetic per row as ungrouped).
+        self.grouped = prefill or dtype == torch.float32
         self.cascade = cascade
         self.min_cascade_tokens = min_cascade_tokens
 
@@ -129,7 +132,7 @@ class CpuKernelBackend(AttentionBackend):
             # preemption), and bf16 tokens do not depend on the batch, the allocator or the chunk size.
             plan_prefill_batch(meta, decode_rows=True)
             return
-        plan_decode_batch(meta, self.block_size, kernel=True, grouped=self.prefill)
+        plan_decode_batch(meta, self.block_size, kernel=True, grouped=self.grouped)
         if self.prefill:
             plan_prefill_batch(meta)
         else:

@@ -91,3 +91,50 @@ def test_refuses_bad_input(op) -> None:
         op(q.half(), kc.half(), vc.half(), tables, lo, ln, 1.0, torch.empty_like(q.half()))
     with pytest.raises(RuntimeError, match="heads / kv_heads"):
         op(q[:, :3].contiguous(), kc, vc, tables, lo, ln, 1.0, torch.empty_like(q[:, :3]))
+
+
+@pytest.mark.parametrize(("dim", "bs", "group"), [(64, 16, 3), (128, 32, 4), (40, 8, 2)])
+def test_fp32_grouped_decode_equals_one_by_one_bit_for_bit(op, dim, bs, group) -> None:
+    # Two groups whose members share their first blocks (3 and 2 of them), and one sequence alone: the
+    # grouped op reads the shared keys once per group, with each row's arithmetic unchanged, so its output
+    # equals the ungrouped kernel's exactly, and the float64 reference to fp32 rounding.
+    kernels.paged_decode_attention()  # loads the library that holds paged_decode_grouped
+    g = torch.Generator().manual_seed(1)
+    kv_heads, nb = 2, 64
+    kc = torch.randn(kv_heads, nb, bs, dim, generator=g)
+    vc = torch.randn(kv_heads, nb, bs, dim, generator=g)
+    free = iter(torch.randperm(nb, generator=g).tolist())
+    shared = [[next(free) for _ in range(3)], [next(free) for _ in range(2)], []]
+    members = [(0, [3 * bs + 1, 4 * bs, 3 * bs + 7 + bs]), (1, [2 * bs + 5, 2 * bs + 1]), (2, [bs + 3])]
+    tables, lens = [], []
+    for gi, ns in members:
+        for n in ns:
+            own = -(-n // bs) - len(shared[gi])
+            tables.append(shared[gi] + [next(free) for _ in range(own)])
+            lens.append(n)
+    width = max(map(len, tables))
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens_t = torch.tensor(lens)
+    n_rows = len(lens) + 2  # two rows of q that are not decode rows: the op must leave them alone
+    q = torch.randn(n_rows, kv_heads * group, dim, generator=g)
+    rows = torch.tensor([5, 0, 2, 6, 3, 1])
+    starts = torch.tensor([0, 3, 5, 6])
+    shared_keys = torch.tensor([3 * bs, 2 * bs, 0])
+    scale = dim ** -0.5
+    out = torch.full_like(q, 7.0)
+    torch.ops.kvpool.paged_decode_grouped(q, kc, vc, rows, tables_t, lens_t, starts, shared_keys, scale, out)
+    one_by_one = op(q[rows], kc, vc, tables_t, torch.zeros_like(lens_t), lens_t, scale, torch.empty_like(q[rows]))
+    assert torch.equal(out[rows], one_by_one)
+    assert torch.equal(out[[4, 7]], torch.full_like(out[[4, 7]], 7.0))
+    ref = reference(q[rows], kc, vc, tables_t, torch.zeros_like(lens_t), lens_t, scale)
+    torch.testing.assert_close(out[rows].double(), ref, rtol=2e-6, atol=2e-6)
+
+
+def test_fp32_grouped_decode_refuses_a_member_that_does_not_share_the_blocks(op) -> None:
+    q, kc, vc, tables, _, ln = make(torch.float32, 4, 2, 64, 16, [40, 40], [0, 0])
+    with pytest.raises(RuntimeError, match="sequence 1 does not share block 0"):
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, torch.tensor([0, 1]), tables, ln, torch.tensor([0, 2]),
+                                              torch.tensor([16]), 0.125, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="packed layout is bfloat16's"):
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, torch.tensor([0, 1]), tables, ln, torch.tensor([0, 1, 2]),
+                                              torch.tensor([0, 0]), 0.125, torch.empty_like(q), True)

@@ -17,6 +17,13 @@ namespace kvpool_kernels {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// Grouped decode attention in fp32 (decode_attention.cpp): sequences [first, first + count) of a group
+// sharing their first `shared` keys, kv head h; see paged_decode_grouped in prefill_attention.cpp.
+void decode_group_f32(const float* q, float* out, const float* k_cache, const float* v_cache, int64_t heads,
+                      int64_t dim, int64_t h, int64_t s_head, int64_t s_block, int64_t s_token, int64_t block_size,
+                      const int64_t* tables, int64_t width, const int64_t* lens, const int64_t* rows, int64_t first,
+                      int64_t count, int64_t shared, int64_t group, float scale);
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
   const uint32_t u = static_cast<uint32_t>(x.x) << 16;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 
@@ -98,7 +99,7 @@ inline void scores_f32(const float (*qf)[kMaxDim], const float* keys, int64_t n,
       __m256 a = _mm256_setzero_ps();
       if (t < n) {
         for (int64_t c = 0; c < kChunks; ++c) {
-          a = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + c * 8), _mm256_loadu_ps(keys + t * s_token + c * 8), a);
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(qf[g] + c * 8), _mm256_loadu_ps(keys + t * s_token + c * 8), a);
         }
       }
       acc[t] = a;
@@ -108,11 +109,189 @@ inline void scores_f32(const float (*qf)[kMaxDim], const float* keys, int64_t n,
     for (int64_t t = 0; t < n; ++t) scores[g][col + t] = tile[t];
   }
 }
+
+// exp_nonpositive on eight lanes (common.h's polynomial; n rounded to nearest rather than floor(x + 0.5)).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), x);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// One online-softmax step of a query head over its n new scores (replaced by their weights): the new
+// maximum, and the sum of the weights. The generic loops below are scalar (a float max or sum is a
+// reduction the compiler may not reorder), and they were most of a decode row's time on AVX2.
+inline float softmax_step8(float* p, int64_t n, float m_old, float* sum_out) {
+  int64_t t = 0;
+  __m256 vm = _mm256_set1_ps(m_old);
+  for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(p + t));
+  float mx = hmax8(vm);
+  for (; t < n; ++t) mx = std::max(mx, p[t]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vs = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
+    _mm256_storeu_ps(p + t, e);
+    vs = _mm256_add_ps(vs, e);
+  }
+  float sum = hsum8(vs);
+  for (; t < n; ++t) {
+    p[t] = exp_nonpositive(p[t] - mx);
+    sum += p[t];
+  }
+  *sum_out = sum;
+  return mx;
+}
 #define KVPOOL_AVX2_F32 1
 #endif
 
-// DIM > 0 fixes head_dim at compile time, so the loops over it unroll into whole vector registers;
-// DIM == 0 is the generic fallback for other sizes.
+// One decode row's query heads of one kv head, mid-way through an online softmax: the scaled queries,
+// the running maximum m, sum l and weighted values acc of every query head. A row is fed its keys block
+// by block (`attend_keys`) and read out once (`finish`); the grouped path feeds a block to every row of a
+// group while it is in L1, so keys shared by the group are read from memory once.
+struct RowState {
+  float (*qf)[kMaxDim];
+  float (*acc)[kMaxDim];
+  float* m;
+  float* l;
+};
+
+template <typename T>
+void start_row(const RowState& st, const T* q, int64_t group, int64_t dim, float scale) {
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) {
+      st.qf[g][d] = to_float(q[g * dim + d]) * scale;
+      st.acc[g][d] = 0.0f;
+    }
+    st.m[g] = -1e30f;
+    st.l[g] = 0.0f;
+  }
+}
+
+// n (<= kMaxBlock) consecutive keys and values at kb, vb, s_token elements apart. DIM > 0 fixes head_dim
+// at compile time, so the loops over it unroll into whole vector registers; DIM == 0 is the generic fallback.
+template <typename T, int64_t DIM>
+void attend_keys(const RowState& st, const T* q, const T* kb, const T* vb, int64_t n, int64_t s_token,
+                 int64_t group, int64_t runtime_dim, float scale) {
+  const int64_t dim = DIM > 0 ? DIM : runtime_dim;
+  alignas(64) float p[kMaxGroup][kMaxBlock];
+  alignas(64) float row[kMaxDim];
+  (void)q;
+  (void)scale;
+#ifdef KVPOOL_AVX512_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16> && DIM > 0 && DIM % 32 == 0) {
+    for (int64_t t = 0; t < n; t += 16) {
+      scores_bf16<DIM>(q, kb + t * s_token, std::min<int64_t>(16, n - t), s_token, group, scale, p, t);
+    }
+  } else
+#endif
+#ifdef KVPOOL_AVX2_F32
+  if constexpr (std::is_same_v<T, float> && DIM > 0 && DIM % 8 == 0) {
+    for (int64_t t = 0; t < n; t += 8) {
+      scores_f32<DIM>(st.qf, kb + t * s_token, std::min<int64_t>(8, n - t), s_token, group, p, t);
+    }
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kb[t * s_token + d]);
+      for (int64_t g = 0; g < group; ++g) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) s += st.qf[g][d] * row[d];
+        p[g][t] = s;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float mx = st.m[g];
+    float sum = 0.0f;
+#ifdef KVPOOL_AVX2_F32
+    if constexpr (std::is_same_v<T, float>) {
+      mx = softmax_step8(p[g], n, mx, &sum);
+    } else
+#endif
+    {
+      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, p[g][t]);
+      for (int64_t t = 0; t < n; ++t) {
+        p[g][t] = exp_nonpositive(p[g][t] - mx);
+        sum += p[g][t];
+      }
+    }
+    const float alpha = exp_nonpositive(st.m[g] - mx);
+    st.l[g] = st.l[g] * alpha + sum;
+    st.m[g] = mx;
+    for (int64_t d = 0; d < dim; ++d) st.acc[g][d] *= alpha;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vb[t * s_token + d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = p[g][t];
+      for (int64_t d = 0; d < dim; ++d) st.acc[g][d] += w * row[d];
+    }
+  }
+}
+
+template <typename T>
+void finish_row(const RowState& st, T* out, int64_t group, int64_t dim) {
+  for (int64_t g = 0; g < group; ++g) {
+    // Every row saw at least one key (its own query's), so l > 0.
+    const float inv = 1.0f / st.l[g];
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(st.acc[g][d] * inv);
+  }
+}
+
+// Blocks are scattered, so the hardware prefetcher cannot see the next one coming: ask for it while this
+// one computes.
+template <typename T>
+inline void prefetch_block(const T* k, const T* v, int64_t block_size, int64_t s_token, int64_t dim) {
+  const char* nk = reinterpret_cast<const char*>(k);
+  const char* nv = reinterpret_cast<const char*>(v);
+  for (int64_t t = 0; t < block_size; ++t) {
+    for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
+      __builtin_prefetch(nk + t * s_token * sizeof(T) + off);
+      __builtin_prefetch(nv + t * s_token * sizeof(T) + off);
+    }
+  }
+}
+
+// Keys [lo, len) of one sequence's blocks, from block table `table`, into a started row.
+template <typename T, int64_t DIM>
+void attend_range(const RowState& st, const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                  int64_t lo, int64_t len, int64_t group, int64_t dim, int64_t block_size, int64_t s_block,
+                  int64_t s_token, float scale) {
+  for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
+    const int64_t block = table[start / block_size];
+    const int64_t t0 = std::max(lo, start) - start;
+    const int64_t t1 = std::min(len, start + block_size) - start;
+    if (start + block_size < len) {
+      const int64_t next = table[start / block_size + 1];
+      prefetch_block(k_cache + next * s_block, v_cache + next * s_block, block_size, s_token, dim);
+    }
+    attend_keys<T, DIM>(st, q, k_cache + block * s_block + t0 * s_token, v_cache + block * s_block + t0 * s_token,
+                        t1 - t0, s_token, group, dim, scale);
+  }
+}
+
 template <typename T, int64_t DIM>
 void decode_one(const T* q, T* out, const T* k_cache, const T* v_cache, const int64_t* table, int64_t lo,
                 int64_t len, int64_t group, int64_t runtime_dim, int64_t block_size, int64_t s_block,
@@ -120,90 +299,51 @@ void decode_one(const T* q, T* out, const T* k_cache, const T* v_cache, const in
   const int64_t dim = DIM > 0 ? DIM : runtime_dim;
   alignas(64) float qf[kMaxGroup][kMaxDim];
   alignas(64) float acc[kMaxGroup][kMaxDim];
-  alignas(64) float p[kMaxGroup][kMaxBlock];
-  alignas(64) float row[kMaxDim];
   float m[kMaxGroup];
   float l[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < dim; ++d) {
-      qf[g][d] = to_float(q[g * dim + d]) * scale;
-      acc[g][d] = 0.0f;
-    }
-    m[g] = -1e30f;
-    l[g] = 0.0f;
-  }
-  for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
-    const int64_t block = table[start / block_size];
-    const int64_t t0 = std::max(lo, start) - start;
-    const int64_t t1 = std::min(len, start + block_size) - start;
-    const int64_t n = t1 - t0;
-    const T* kb = k_cache + block * s_block + t0 * s_token;
-    const T* vb = v_cache + block * s_block + t0 * s_token;
-    if (start + block_size < len) {
-      // Blocks are scattered, so the hardware prefetcher cannot see the next one coming: ask for it now,
-      // while this one computes.
-      const int64_t next = table[start / block_size + 1];
-      const char* nk = reinterpret_cast<const char*>(k_cache + next * s_block);
-      const char* nv = reinterpret_cast<const char*>(v_cache + next * s_block);
-      for (int64_t t = 0; t < block_size; ++t) {
-        for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
-          __builtin_prefetch(nk + t * s_token * sizeof(T) + off);
-          __builtin_prefetch(nv + t * s_token * sizeof(T) + off);
-        }
-      }
-    }
-#ifdef KVPOOL_AVX512_BF16
-    if constexpr (std::is_same_v<T, c10::BFloat16> && DIM > 0 && DIM % 32 == 0) {
-      for (int64_t t = 0; t < n; t += 16) {
-        scores_bf16<DIM>(q, kb + t * s_token, std::min<int64_t>(16, n - t), s_token, group, scale, p, t);
-      }
-    } else
-#endif
-#ifdef KVPOOL_AVX2_F32
-    if constexpr (std::is_same_v<T, float> && DIM > 0 && DIM % 8 == 0) {
-      for (int64_t t = 0; t < n; t += 8) {
-        scores_f32<DIM>(qf, kb + t * s_token, std::min<int64_t>(8, n - t), s_token, group, p, t);
-      }
-    } else
-#endif
-    {
-      for (int64_t t = 0; t < n; ++t) {
-        for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kb[t * s_token + d]);
-        for (int64_t g = 0; g < group; ++g) {
-          float s = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) s += qf[g][d] * row[d];
-          p[g][t] = s;
-        }
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      float mx = m[g];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, p[g][t]);
-      const float alpha = exp_nonpositive(m[g] - mx);
-      float sum = 0.0f;
-      for (int64_t t = 0; t < n; ++t) {
-        p[g][t] = exp_nonpositive(p[g][t] - mx);
-        sum += p[g][t];
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mx;
-      for (int64_t d = 0; d < dim; ++d) acc[g][d] *= alpha;
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vb[t * s_token + d]);
-      for (int64_t g = 0; g < group; ++g) {
-        const float w = p[g][t];
-        for (int64_t d = 0; d < dim; ++d) acc[g][d] += w * row[d];
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    // len > lo is checked by the caller, so every row saw at least one key and l > 0.
-    const float inv = 1.0f / l[g];
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g][d] * inv);
-  }
+  const RowState st{qf, acc, m, l};
+  start_row(st, q, group, dim, scale);
+  attend_range<T, DIM>(st, q, k_cache, v_cache, table, lo, len, group, dim, block_size, s_block, s_token, scale);
+  finish_row(st, out, group, dim);
 }
 
+// Decode rows of fp32 sequences in groups sharing their first shared[i] keys (see paged_decode_grouped in
+// prefill_attention.cpp, whose checks this runs after): one task per (group, kv head) feeds each shared
+// block to all of the group's rows while it is in L1, then each row its own keys. A row's arithmetic is
+// the same as decode_one's, block for block, so grouping changes no bit of the result.
+template <int64_t DIM>
+void decode_group_f32_task(const float* q, float* out, const float* k_cache, const float* v_cache, int64_t heads,
+                      int64_t runtime_dim, int64_t h, int64_t s_block, int64_t s_token, int64_t block_size,
+                      const int64_t* tables, int64_t width, const int64_t* lens, const int64_t* rows, int64_t first,
+                      int64_t count, int64_t shared, int64_t group, float scale) {
+  const int64_t dim = DIM > 0 ? DIM : runtime_dim;
+  std::vector<float> qf(count * group * kMaxDim), acc(count * group * kMaxDim), m(count * group), l(count * group);
+  std::vector<RowState> st;
+  st.reserve(count);
+  for (int64_t r = 0; r < count; ++r) {
+    st.push_back({reinterpret_cast<float(*)[kMaxDim]>(qf.data() + r * group * kMaxDim),
+                  reinterpret_cast<float(*)[kMaxDim]>(acc.data() + r * group * kMaxDim), m.data() + r * group,
+                  l.data() + r * group});
+    start_row(st[r], q + (rows[first + r] * heads + h * group) * dim, group, dim, scale);
+  }
+  const int64_t* table = tables + first * width;
+  for (int64_t j = 0; j < shared / block_size; ++j) {
+    const float* kb = k_cache + table[j] * s_block;
+    const float* vb = v_cache + table[j] * s_block;
+    if (j + 1 < shared / block_size) {
+      prefetch_block(k_cache + table[j + 1] * s_block, v_cache + table[j + 1] * s_block, block_size, s_token, dim);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      attend_keys<float, DIM>(st[r], nullptr, kb, vb, block_size, s_token, group, dim, scale);
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t b = first + r;
+    attend_range<float, DIM>(st[r], nullptr, k_cache, v_cache, tables + b * width, shared, lens[b], group, dim,
+                             block_size, s_block, s_token, scale);
+    finish_row(st[r], out + (rows[b] * heads + h * group) * dim, group, dim);
+  }
+}
 
 template <typename T>
 void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -280,6 +420,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 }  // namespace
+
+namespace kvpool_kernels {
+
+void decode_group_f32(const float* q, float* out, const float* k_cache, const float* v_cache, int64_t heads,
+                      int64_t dim, int64_t h, int64_t s_head, int64_t s_block, int64_t s_token, int64_t block_size,
+                      const int64_t* tables, int64_t width, const int64_t* lens, const int64_t* rows, int64_t first,
+                      int64_t count, int64_t shared, int64_t group, float scale) {
+  auto* fn = dim == 64 ? &decode_group_f32_task<64> : dim == 128 ? &decode_group_f32_task<128>
+           : dim == 256 ? &decode_group_f32_task<256> : &decode_group_f32_task<0>;
+  fn(q, out, k_cache + h * s_head, v_cache + h * s_head, heads, dim, h, s_block, s_token, block_size, tables, width,
+     lens, rows, first, count, shared, group, scale);
+}
+
+}  // namespace kvpool_kernels
 
 TORCH_LIBRARY(kvpool, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lows, "

@@ -509,6 +509,23 @@ void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tens
               "packed caches must have each block's tokens contiguous");
 }
 
+// The fp32 grouped decode's checks (any CPU: decode_attention.cpp's loops, AVX2 where there is one).
+void check_paged_f32(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     bool packed) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (rows, heads, head_dim) tensor");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous and shaped and typed like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "k_cache and v_cache must share one float32 (kv_heads, blocks, block_size, head_dim) layout");
+  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= 16,
+              "heads / kv_heads must be a whole number <= 16");
+  TORCH_CHECK(q.size(2) <= 256 && k_cache.size(2) <= 256, "head_dim <= 256 and block_size <= 256 only");
+  TORCH_CHECK(!packed, "packed: the packed layout is bfloat16's");
+}
+
 // q: (T, heads, D) bf16; k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
 // row in q, its number of queries, its context length (queries included) and its block table (a row of
 // `tables`, (S, W) int64). window > 0: each query sees that many most recent positions, itself included.
@@ -560,7 +577,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
-// Decode rows in groups that share leading blocks: q (T, heads, D) bf16, whose row rows[b] is the query
+// Decode rows in groups that share leading blocks: q (T, heads, D) bf16 (or fp32, on any CPU), whose row rows[b] is the query
 // of sequence b (b < B), with table row b of `tables` (B, W) and lens[b] keys (its query the last); its
 // output goes to the same row of out (other rows are left alone: a step's prompt chunks write them). The
 // sequences of group i are [group_starts[i], group_starts[i + 1]), and their first shared[i] keys lie in
@@ -569,7 +586,12 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens,
                                 const at::Tensor& group_starts, const at::Tensor& shared, double scale, at::Tensor out,
                                 bool packed) {
-  check_paged_bf16(q, out, k_cache, v_cache, packed);
+  const bool f32 = q.scalar_type() == at::kFloat;
+  if (f32) {
+    check_paged_f32(q, out, k_cache, v_cache, packed);
+  } else {
+    check_paged_bf16(q, out, k_cache, v_cache, packed);
+  }
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
               "rows must be a contiguous int64 (B,) tensor");
   const int64_t batch = rows.size(0), heads = q.size(1);
@@ -614,6 +636,18 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
       const int64_t n = std::min(per_task, gs[i + 1] - f);
       for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({i, h, f, n, n * ln[f]});
     }
+  }
+  if (f32) {
+    const float* qp = q.const_data_ptr<float>();
+    float* op = out.mutable_data_ptr<float>();
+    const float* kp = k_cache.const_data_ptr<float>();
+    const float* vp = v_cache.const_data_ptr<float>();
+    run_tasks(tasks, [&](const Task& t) {
+      decode_group_f32(qp, op, kp, vp, heads, q.size(2), t.head, k_cache.stride(0), k_cache.stride(1),
+                       k_cache.stride(2), block_size, tp, width, ln, ro, t.first, t.count, sh[t.seq], group,
+                       static_cast<float>(scale));
+    });
+    return out;
   }
 #ifdef KVPOOL_AVX512_BF16
   const Paged pg(q, out, k_cache, v_cache, scale, packed);
