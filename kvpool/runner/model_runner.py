@@ -162,8 +162,8 @@ class ModelRunner:
                                            batch_invariant=batch_invariant, decode_kernel=self.decode_kernel,
                                            prefill_kernel=self.prefill_kernel, cascade=enable_cascade,
                                            packed=self.packed_kv)
-        # Fused bf16 norm, rotary and SiLU-and-multiply: modules with a `fused` slot use them when set.
-        self.fused_ops = self.decode_kernel and self.dtype == torch.bfloat16
+        # Fused norm, rotary and SiLU-and-multiply (bf16 and fp32): modules with a `fused` slot use them when set.
+        self.fused_ops = self.decode_kernel
         self._argmax_bf16 = kernels.fused_ops().argmax_rows if self.fused_ops else None
         if self.fused_ops:
             for m in self.model.modules():

@@ -1,4 +1,5 @@
-"""The fused bf16 ops (RMSNorm, SiLU-and-multiply, rotary, greedy argmax) against the torch code they replace."""
+"""The fused ops (RMSNorm, SiLU-and-multiply, rotary in bf16 and fp32; greedy argmax over bf16) against the torch
+code they replace."""
 
 from __future__ import annotations
 
@@ -17,42 +18,52 @@ def ops():
     return fused
 
 
+DTYPES = [torch.bfloat16, torch.float32]
+
+
 def assert_rounding_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal but for rare last-bit differences (an exp, a sum order), each at most one bf16 step."""
-    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
-    diff = got.float() - want.float()
-    step = want.float().abs().clamp(min=1e-30) * 2 ** -7
-    assert (diff.abs() <= step).all()
-    assert (diff != 0).float().mean() < 0.02
+    """bf16: equal but for rare last-bit differences (an exp, a sum order), each at most one bf16 step.
+    fp32: within a few units in the last place (another sum order, a polynomial exp), below 1e-30 alike."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    diff = got.double() - want.double()
+    if want.dtype == torch.bfloat16:
+        step = want.double().abs().clamp(min=1e-30) * 2 ** -7
+        assert (diff.abs() <= step).all()
+        assert (diff != 0).double().mean() < 0.02
+    else:
+        assert (diff.abs() <= want.double().abs() * 2 ** -20 + 1e-30).all()
 
 
-def test_rms_norm(ops) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(ops, dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm = RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(576, generator=g))
-    x = (3 * torch.randn(37, 576, generator=g)).to(torch.bfloat16)
+    x = (3 * torch.randn(37, 576, generator=g)).to(dtype)
     want = norm(x)
     got = ops.rms_norm(x, norm.weight, 1e-5, torch.empty_like(x))
     assert_rounding_close(got, want)
     x3 = x.view(37, 9, 64)  # per-head norms (LFM2's q/k layernorm) see (T, heads, head_dim)
-    norm64 = RMSNorm(64, 1e-5).to(torch.bfloat16)
+    norm64 = RMSNorm(64, 1e-5).to(dtype)
     assert_rounding_close(ops.rms_norm(x3, norm64.weight, 1e-5, torch.empty_like(x3)), norm64(x3))
 
 
-def test_silu_and_mul(ops) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(ops, dtype) -> None:
     g = torch.Generator().manual_seed(1)
-    gate_up = (4 * torch.randn(23, 2 * 1536, generator=g)).to(torch.bfloat16)
+    gate_up = (4 * torch.randn(23, 2 * 1536, generator=g)).to(dtype)
     gate_up[0, :8] = torch.tensor([-100.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, -0.5])  # tails and zero
     gate, up = gate_up.chunk(2, dim=-1)
     got = ops.silu_and_mul(gate_up, gate_up.new_empty(23, 1536))
     assert_rounding_close(got, F.silu(gate) * up)
 
 
-def test_rotary_is_bit_exact(ops) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_bit_exact(ops, dtype) -> None:
     g = torch.Generator().manual_seed(2)
     rot = Rotary(64, 10000.0, 4096)
-    qkv = torch.randn(50, 9 * 64 + 2 * 3 * 64, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(50, 9 * 64 + 2 * 3 * 64, generator=g).to(dtype)
     q = qkv[:, :576].view(50, 9, 64)  # a strided view, as the fused qkv projection yields it
     positions = torch.randint(0, 4096, (50,), generator=g)
     got = ops.rotary(q, positions, rot.cos, rot.sin, torch.empty(q.shape, dtype=q.dtype))
@@ -64,8 +75,12 @@ def test_refuses_bad_input(ops) -> None:
     x = torch.randn(4, 2, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="position 128 is outside the rotary table's 128 positions"):
         ops.rotary(x, torch.tensor([0, 1, 2, 128]), rot.cos, rot.sin, torch.empty_like(x))
-    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16 tensor"):
+    with pytest.raises(RuntimeError, match="weight must be a contiguous Float tensor like the input"):
         ops.rms_norm(x.float(), torch.ones(64, dtype=torch.bfloat16), 1e-5, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16 or float32 tensor"):
+        ops.rms_norm(x.half(), torch.ones(64, dtype=torch.half), 1e-5, torch.empty_like(x.half()))
+    with pytest.raises(RuntimeError, match="out must be a contiguous BFloat16 tensor like the input"):
+        ops.silu_and_mul(x, torch.empty(4, 2, 32))
     with pytest.raises(RuntimeError, match="twice as wide"):
         ops.silu_and_mul(x, torch.empty(4, 2, 64, dtype=torch.bfloat16))
 

@@ -68,6 +68,10 @@ class LlamaArch:
         )
 
 
+# The dtypes kvpool's fused norm, rotary and SiLU-and-multiply kernels take (kvpool.runner.kernels).
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 class PackedLinear(nn.Module):
     """A linear layer whose weight is reordered once into oneDNN's blocked layout (bf16 or fp32).
 
@@ -137,7 +141,7 @@ class RMSNorm(nn.Module):
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.dtype == self.weight.dtype == torch.bfloat16 and x.is_contiguous():
+        if self.fused is not None and x.dtype == self.weight.dtype and x.dtype in FUSED_DTYPES and x.is_contiguous():
             return self.fused.rms_norm(x, self.weight, self.eps, torch.empty_like(x))
         return self.weight * self.normalized(x).to(x.dtype)
 
@@ -160,7 +164,7 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, head_dim), rotated by half (the Hugging Face convention)."""
-        if self.fused is not None and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+        if self.fused is not None and x.dtype in FUSED_DTYPES and x.stride(-1) == 1:
             return self.fused.rotary(x, positions, self.cos, self.sin, torch.empty(x.shape, dtype=x.dtype))
         cos = self.cos[positions].to(x.dtype)[:, None, :]
         sin = self.sin[positions].to(x.dtype)[:, None, :]
@@ -197,7 +201,7 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(o.reshape(t, self.q_size))
         h = self.post_attention_layernorm(x)
         gate_up = self.gate_up_proj(h)
-        if self.fused is not None and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous():
+        if self.fused is not None and gate_up.dtype in FUSED_DTYPES and gate_up.is_contiguous():
             act = self.fused.silu_and_mul(gate_up, gate_up.new_empty(t, gate_up.shape[-1] // 2))
             return x + self.down_proj(act)
         gate, up = gate_up.chunk(2, dim=-1)
