@@ -16,10 +16,6 @@
 
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using namespace kvpool_kernels;
@@ -108,22 +104,6 @@ inline void scores_f32(const float (*qf)[kMaxDim], const float* keys, int64_t n,
     _mm256_store_ps(tile, sum8(acc));
     for (int64_t t = 0; t < n; ++t) scores[g][col + t] = tile[t];
   }
-}
-
-// exp_nonpositive on eight lanes (common.h's polynomial; n rounded to nearest rather than floor(x + 0.5)).
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), x);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 inline float hmax8(__m256 v) {

@@ -489,39 +489,35 @@ void run_tasks(std::vector<Task>& tasks, const Fn& fn) {
   for (int64_t i = 0; i < n; ++i) fn(tasks[i]);
 }
 
-// The checks both ops make of q, out and the caches.
-void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      bool packed) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
-              "q must be a contiguous bfloat16 (rows, heads, head_dim) tensor");
+// The checks every op here makes of q, out and the caches, in `dtype` (bf16; fp32 for grouped decode rows).
+void check_paged_layout(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, at::ScalarType dtype, int64_t max_group) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == dtype, "q must be a contiguous ", dtype,
+              " (rows, heads, head_dim) tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous and shaped and typed like q");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "k_cache and v_cache must share one bfloat16 (kv_heads, blocks, block_size, head_dim) layout");
+                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "k_cache and v_cache must share one ", dtype, " (kv_heads, blocks, block_size, head_dim) layout");
   TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= kMaxRows,
-              "heads / kv_heads must be a whole number <= ", kMaxRows);
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= max_group,
+              "heads / kv_heads must be a whole number <= ", max_group);
+}
+
+void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      bool packed) {
+  check_paged_layout(q, out, k_cache, v_cache, at::kBFloat16, kMaxRows);
   TORCH_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
               "needs AVX-512 BF16, head_dim 64, 128 or 256 and block_size a multiple of 16");
   TORCH_CHECK(!packed || (k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3)),
               "packed caches must have each block's tokens contiguous");
 }
 
-// The fp32 grouped decode's checks (any CPU: decode_attention.cpp's loops, AVX2 where there is one).
+// The fp32 grouped decode's limits (any CPU: decode_attention.cpp's loops, AVX2 where there is one).
 void check_paged_f32(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      bool packed) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (rows, heads, head_dim) tensor");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "out must be contiguous and shaped and typed like q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "k_cache and v_cache must share one float32 (kv_heads, blocks, block_size, head_dim) layout");
-  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
-  TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= 16,
-              "heads / kv_heads must be a whole number <= 16");
+  check_paged_layout(q, out, k_cache, v_cache, at::kFloat, 16);
   TORCH_CHECK(q.size(2) <= 256 && k_cache.size(2) <= 256, "head_dim <= 256 and block_size <= 256 only");
   TORCH_CHECK(!packed, "packed: the packed layout is bfloat16's");
 }
