@@ -6,8 +6,9 @@ reading that group. The planned metadata names its backend, so `paged_attention`
 calls) dispatches without testing mode flags per call.
 
 - `TorchBackend`: torch ops only; cascade attention over shared prefixes (see kvpool.runner.attention).
-- `CpuKernelBackend`: kvpool's compiled CPU kernels (kvpool.runner.kernels) for decode rows and, in bf16,
-  for multi-token chunks (grouped decode then reads a shared prefix once per group); torch for the rest.
+- `CpuKernelBackend`: kvpool's compiled CPU kernels (kvpool.runner.kernels) for decode rows (grouped by
+  shared prefix, which they then read once per group) and, where the CPU suits the prefill kernel (bf16:
+  AVX-512 BF16; fp32: AVX2), for multi-token chunks; torch for the rest.
 - `BatchInvariantBackend`: results independent of batching, chunking and prefix hits (omni stages).
 
 A CUDA backend would be one more class here.
@@ -94,9 +95,9 @@ class TorchBackend(AttentionBackend):
 
 
 class CpuKernelBackend(AttentionBackend):
-    """kvpool's compiled CPU kernels: every decode row; with `prefill` (bf16) every multi-token chunk too,
-    and decode rows grouped by shared prefix. Chunks the kernels do not take go through torch, with
-    cascades."""
+    """kvpool's compiled CPU kernels: every decode row; with `prefill` every multi-token chunk too. Decode
+    rows are grouped by shared prefix with `prefill` or in fp32. Chunks the kernels do not take go through
+    torch, with cascades."""
 
     name = "cpu-kernels"
 

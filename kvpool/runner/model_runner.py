@@ -149,12 +149,12 @@ class ModelRunner:
                               and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
                               and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
                               and kernels.paged_decode_attention() is not None)
-        self.prefill_kernel = (self.decode_kernel and self.dtype == torch.bfloat16
-                               and kernels.prefill_supported(arch.head_dim, block_size))
+        self.prefill_kernel = self.decode_kernel and kernels.prefill_supported(arch.head_dim, block_size, self.dtype)
         # Keys and values stored as the bf16 kernels read them, where those kernels read every layer's cache
         # (full attention: windowed decode rows and cross-attention read the standard layout; state models
         # share byte pages with state layers).
-        self.packed_kv = (self.prefill_kernel and all(w is None for w in arch.layer_windows) and not cross_layers
+        self.packed_kv = (self.prefill_kernel and self.dtype == torch.bfloat16 and not cross_layers
+                          and all(w is None for w in arch.layer_windows)
                           and getattr(arch, "layer_state_shapes", None) is None)
         # The attention path, chosen once: it plans every attention group's metadata and computes it.
         self.attn_backend = select_backend(block_size=block_size, dtype=self.dtype,

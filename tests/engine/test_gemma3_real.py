@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import hf_greedy
 
 from kvpool.engine.llm import LLM
@@ -56,20 +57,21 @@ def test_host_tier_restores_every_group_of_a_long_prefix(gemma_dir: Path) -> Non
     kv.check_integrity()
 
 
-def test_bf16_tokens_do_not_depend_on_allocator_caching_chunking_or_preemption(gemma_dir: Path) -> None:
-    # bf16 on the kernels: every attention row of Gemma-3 (head_dim 256) goes through the prefill kernel,
-    # prompt chunks and decode rows alike, whose arithmetic per row does not depend on the batch. So the
-    # hybrid and the uniform allocator, prefix caching on and off, another chunk size and a pool small
-    # enough to preempt (decoded tokens recomputed in a prompt chunk) all give the same tokens.
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tokens_do_not_depend_on_allocator_caching_chunking_or_preemption(gemma_dir: Path, dtype: str) -> None:
+    # On the kernels every attention row of Gemma-3 (head_dim 256) goes through the prefill kernel, prompt
+    # chunks and decode rows alike, whose arithmetic per row does not depend on the batch. So the hybrid and
+    # the uniform allocator, prefix caching on and off, another chunk size and a pool small enough to
+    # preempt (decoded tokens recomputed in a prompt chunk) all give the same tokens.
     docs = [" ".join(f"Item {i} weighs {(i * 37) % 100} grams." for i in range(60)),
             " ".join(f"City {i} has {(i * 53) % 1000} trees." for i in range(55))]
-    if not kernels.prefill_supported(256, 16):
-        # Without AVX-512 BF16 (an AVX2-only CPU) bf16 attention runs on torch ops, whose rows do depend on
-        # the batch: this property is the kernel's.
-        pytest.skip("the bf16 prefill kernel needs AVX-512 BF16, which this CPU lacks")
-    kw = dict(dtype="bfloat16", block_size=16, max_num_batched_tokens=256)
+    if not kernels.prefill_supported(256, 16, getattr(torch, dtype)):
+        # (bf16 without AVX-512 BF16, fp32 without AVX2) attention then runs on torch ops, whose rows do
+        # depend on the batch: this property is the kernel's.
+        pytest.skip(f"this CPU runs no {dtype} prefill kernel")
+    kw = dict(dtype=dtype, block_size=16, max_num_batched_tokens=256)
     base = LLM(str(gemma_dir), num_blocks=900, **kw)
-    assert base.engine.runner.prefill_kernel, "the bf16 prefill kernel must take head_dim 256 on this machine"
+    assert base.engine.runner.prefill_kernel, "the prefill kernel must take head_dim 256 on this machine"
     prompts = [base.engine.encode(d + f"\nQuestion: what about number {q}?\nAnswer:") for d in docs for q in (5, 17)]
     assert min(map(len, prompts)) > 512  # past the sliding window
     sp = SamplingParams.greedy(40)

@@ -60,16 +60,18 @@ def test_bf16_kernels_on_and_off_differ_only_at_near_ties(smol_dir: Path) -> Non
     assert identical >= len(QUESTIONS) // 4
 
 
-def test_bf16_tokens_identical_with_caching_and_chunking(smol_dir: Path) -> None:
-    """With the kernels, a row's attention arithmetic does not depend on prefix hits, grouping or
-    chunking, and oneDNN's bf16 matmuls do not depend on the row count: so prefix caching and chunk
-    size change no token even in bf16 (the fp32 tests prove the same against transformers)."""
-    if not kernels.prefill_supported(64, 16):
-        pytest.skip("this CPU has no AVX-512 BF16: bf16 attention runs on torch ops, which split by length")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tokens_identical_with_caching_and_chunking(smol_dir: Path, dtype: str) -> None:
+    """With the prefill kernel, a row's attention arithmetic does not depend on prefix hits, grouping or
+    chunking, and oneDNN's matmuls do not depend on the row count: so prefix caching and chunk size change
+    no token even in bf16 (fp32 tokens equal transformers' besides: tests/engine/test_reference.py)."""
+    if not kernels.prefill_supported(64, 16, getattr(torch, dtype)):
+        pytest.skip(f"this CPU runs no {dtype} prefill kernel: its attention runs on torch ops, which split by length")
     results = []
     for caching, budget in ((True, 2048), (False, 2048), (True, 96)):
-        llm = LLM(str(smol_dir), dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=caching,
+        llm = LLM(str(smol_dir), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=caching,
                   max_num_batched_tokens=budget)
+        assert llm.engine.runner.prefill_kernel
         prompts = [llm.engine.apply_chat_template([{"role": "system", "content": SYSTEM},
                                                    {"role": "user", "content": q}]) for q in QUESTIONS]
         outs = llm.generate(prompts, SamplingParams.greedy(24), use_tqdm=False)

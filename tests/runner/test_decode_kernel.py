@@ -94,10 +94,13 @@ def test_refuses_bad_input(op) -> None:
 
 
 @pytest.mark.parametrize(("dim", "bs", "group"), [(64, 16, 3), (128, 32, 4), (40, 8, 2)])
-def test_fp32_grouped_decode_equals_one_by_one_bit_for_bit(op, dim, bs, group) -> None:
+def test_fp32_grouped_decode_is_a_row_for_row_equal_of_another_kernel(op, dim, bs, group) -> None:
     # Two groups whose members share their first blocks (3 and 2 of them), and one sequence alone: the
-    # grouped op reads the shared keys once per group, with each row's arithmetic unchanged, so its output
-    # equals the ungrouped kernel's exactly, and the float64 reference to fp32 rounding.
+    # grouped op reads the shared keys once per group, with each row's arithmetic unchanged: where the fp32
+    # prompt kernel runs (AVX2, head_dim 64/128/256) it is that kernel's, so a decode row equals its query
+    # computed as a one-query prompt chunk bit for bit (a token decoded or recomputed after a preemption:
+    # the same numbers); elsewhere it is the ungrouped decode kernel's. And the float64 reference to fp32
+    # rounding.
     kernels.paged_decode_attention()  # loads the library that holds paged_decode_grouped
     g = torch.Generator().manual_seed(1)
     kv_heads, nb = 2, 64
@@ -123,8 +126,13 @@ def test_fp32_grouped_decode_equals_one_by_one_bit_for_bit(op, dim, bs, group) -
     scale = dim ** -0.5
     out = torch.full_like(q, 7.0)
     torch.ops.kvpool.paged_decode_grouped(q, kc, vc, rows, tables_t, lens_t, starts, shared_keys, scale, out)
-    one_by_one = op(q[rows], kc, vc, tables_t, torch.zeros_like(lens_t), lens_t, scale, torch.empty_like(q[rows]))
-    assert torch.equal(out[rows], one_by_one)
+    if kernels.prefill_supported(dim, bs, torch.float32):
+        b = len(lens)
+        want = kernels.paged_prefill_attention()(q[rows], kc, vc, torch.arange(b), torch.ones(b, dtype=torch.long),
+                                                 lens_t, tables_t, 0, scale, torch.empty_like(q[rows]))
+    else:
+        want = op(q[rows], kc, vc, tables_t, torch.zeros_like(lens_t), lens_t, scale, torch.empty_like(q[rows]))
+    assert torch.equal(out[rows], want)
     assert torch.equal(out[[4, 7]], torch.full_like(out[[4, 7]], 7.0))
     ref = reference(q[rows], kc, vc, tables_t, torch.zeros_like(lens_t), lens_t, scale)
     torch.testing.assert_close(out[rows].double(), ref, rtol=2e-6, atol=2e-6)

@@ -16,6 +16,22 @@ def op():
     return kernels.paged_prefill_attention()
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Per dtype: elementwise and mean absolute tolerance against the float64 reference. bf16 outputs (and bf16
+# probabilities in the value product, as PyTorch's CPU flash kernel rounds them); fp32 sums throughout.
+TOLERANCE = {torch.bfloat16: (2e-2, 2e-3), torch.float32: (2e-5, 1e-6)}
+
+
+@pytest.fixture(scope="module", params=sorted(DTYPES))
+def dtype(request) -> torch.dtype:
+    """The prompt kernel's dtypes this CPU runs: bf16 with AVX-512 BF16, fp32 with AVX2 and FMA."""
+    assert kernels.paged_prefill_attention() is not None, "the kernels must build on this machine"
+    dt = DTYPES[request.param]
+    if not kernels.prefill_supported(64, 16, dt):
+        pytest.skip(f"this CPU lacks what the {request.param} prefill kernel needs")
+    return dt
+
+
 def reference(q, kc, vc, seqs, tables, window, scale):
     """Dense causal (windowed) attention per sequence in float64, over the cache read through its table."""
     hkv, _, _, d = kc.shape
@@ -37,7 +53,7 @@ def reference(q, kc, vc, seqs, tables, window, scale):
     return out
 
 
-def scenario(seqs, heads=9, kv_heads=3, dim=64, bs=16, window=0, block_major=False, seed=0):
+def scenario(seqs, heads=9, kv_heads=3, dim=64, bs=16, window=0, block_major=False, seed=0, dtype=torch.bfloat16):
     """seqs: (number of queries, context length) each; their rows follow one another in q. Every block a
     sequence does not read (unused slots after its context; blocks wholly before its window, left as
     the null block 0) holds NaN."""
@@ -45,8 +61,8 @@ def scenario(seqs, heads=9, kv_heads=3, dim=64, bs=16, window=0, block_major=Fal
     widths = [-(-ctx // bs) for _, ctx in seqs]
     nb = 1 + sum(widths)
     shape = (nb, kv_heads, bs, dim) if block_major else (kv_heads, nb, bs, dim)
-    kc = torch.randn(shape, generator=g).to(torch.bfloat16)
-    vc = torch.randn(shape, generator=g).to(torch.bfloat16)
+    kc = torch.randn(shape, generator=g).to(dtype)
+    vc = torch.randn(shape, generator=g).to(dtype)
     if block_major:
         kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)
     perm = (1 + torch.randperm(nb - 1, generator=g)).tolist()
@@ -64,7 +80,7 @@ def scenario(seqs, heads=9, kv_heads=3, dim=64, bs=16, window=0, block_major=Fal
         start += n
     kc[:, 0] = float("nan")
     vc[:, 0] = float("nan")
-    q = torch.randn(start, heads, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(start, heads, dim, generator=g).to(dtype)
     width = max(widths)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     args = [torch.tensor([r[i] for r in rows]) for i in range(3)]
@@ -85,31 +101,69 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_reference(op, case: str) -> None:
+def test_matches_reference(dtype, case: str) -> None:
     kw = CASES[case]
-    q, kc, vc, rows, tables, args, padded = scenario(**kw)
+    q, kc, vc, rows, tables, args, padded = scenario(**kw, dtype=dtype)
     scale = q.shape[-1] ** -0.5
     out = torch.full_like(q, float("nan"))
-    op(q, kc, vc, *args, padded, kw.get("window", 0), scale, out)
+    kernels.paged_prefill_attention()(q, kc, vc, *args, padded, kw.get("window", 0), scale, out)
     ref = reference(q, kc, vc, rows, tables, kw.get("window", 0), scale)
     assert not out.isnan().any()
-    # bf16 output and bf16 probabilities in the value product (as PyTorch's CPU flash kernel rounds them).
-    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
-    assert (out.double() - ref).abs().mean() < 2e-3
+    tol, mean_tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert (out.double() - ref).abs().mean() < mean_tol
 
 
-def test_rows_of_other_sequences_untouched(op) -> None:
-    q, kc, vc, _, _, args, padded = scenario([(10, 30), (6, 6)])
+@pytest.mark.parametrize("window", [0, 24])
+def test_rows_do_not_depend_on_the_chunking(dtype, window: int) -> None:
+    # One sequence's last 70 queries (of 100 keys) in one call, and as chunks of 13, 37 and 20 calls of their
+    # own (a prompt computed in pieces, or after a prefix hit): every output bit the same. This is what keeps
+    # greedy tokens identical with prefix caching or chunked prefill on or off.
+    q, kc, vc, _, _, (starts, lens, ctx), tables = scenario([(70, 100)], window=window, dtype=dtype)
+    op = kernels.paged_prefill_attention()
+    whole = op(q, kc, vc, starts, lens, ctx, tables, window, 0.125, torch.empty_like(q))
+    pieces = torch.full_like(q, float("nan"))
+    done = 0
+    for n in (13, 37, 20):
+        end = 30 + done + n  # keys of the sequence so far: its 30 cached and the queries up to this chunk's last
+        op(q, kc, vc, torch.tensor([done]), torch.tensor([n]), torch.tensor([end]), tables, window, 0.125, pieces)
+        done += n
+    assert not whole.isnan().any() and torch.equal(whole, pieces)
+
+
+def test_rows_of_other_sequences_untouched(dtype) -> None:
+    q, kc, vc, _, _, args, padded = scenario([(10, 30), (6, 6)], dtype=dtype)
     out = torch.full_like(q, 7.0)
     # Only the second sequence: rows 10..15.
-    op(q, kc, vc, *(a[1:] for a in args), padded[1:], 0, 0.125, out)
+    kernels.paged_prefill_attention()(q, kc, vc, *(a[1:] for a in args), padded[1:], 0, 0.125, out)
     assert (out[:10] == 7.0).all() and not (out[10:] == 7.0).any()
+
+
+def test_fp32_refuses_what_it_cannot_run() -> None:
+    if not kernels.prefill_supported(64, 16, torch.float32):
+        pytest.skip("this CPU has no AVX2 and FMA: the fp32 prefill kernel is not used here")
+    op = kernels.paged_prefill_attention()
+    q, kc, vc, _, _, (starts, lens, ctx), tables = scenario([(10, 30)], dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="block_size a multiple of 8"):
+        small = kc.view(kc.shape[0], -1, 4, kc.shape[-1])
+        op(q, small, small, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="head_dim 64, 128 or 256"):
+        op(q[..., :32].contiguous(), kc[..., :32].contiguous(), vc[..., :32].contiguous(), starts, lens, ctx, tables,
+           0, 1.0, torch.empty_like(q[..., :32]))
+    with pytest.raises(RuntimeError, match="the packed layout is bfloat16's"):
+        op(q, kc, vc, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q), True)
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must share one Float"):
+        op(q, kc.bfloat16(), vc.bfloat16(), starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
+        op(q, kc, vc, starts, lens, ctx, torch.tensor([[int(tables[0, 0]), 99]]), 0, 1.0, torch.empty_like(q))
 
 
 def test_refuses_bad_input(op) -> None:
     q, kc, vc, _, _, (starts, lens, ctx), tables = scenario([(10, 30)])
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must share one Float"):
         op(q.float(), kc, vc, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q.float()))
+    with pytest.raises(RuntimeError, match="q must be a contiguous BFloat16"):
+        op(q.half(), kc.half(), vc.half(), starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q.half()))
     with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
         op(q, kc, vc, starts, lens, ctx, torch.tensor([[int(tables[0, 0]), 99]]), 0, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match=r"rows \[5, 15\) are not in q's 10 rows"):

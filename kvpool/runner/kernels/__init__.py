@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use and cached; the pure-torch paths are the fallback.
 
-Paged decode and prefill attention (decode_attention.cpp, prefill_attention.cpp) read keys and values in
-place through block tables; elementwise.cpp fuses the bf16 norm, rotary and SiLU-and-multiply.
+Paged decode and prefill attention (decode_attention.cpp, prefill_attention.cpp in bf16, prefill_f32.cpp)
+read keys and values in place through block tables; elementwise.cpp fuses the norm, rotary and
+SiLU-and-multiply.
 The library is compiled once per machine and source version with torch's own extension builder into
 `<kvpool cache>/kernels/` (`kvpool build-kernels` or `scripts/install.sh` do it ahead of time), then
 loaded as torch ops. Set KVPOOL_KERNELS=0 to run without it; if the build fails (no C++ compiler),
@@ -25,7 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp", HERE / "elementwise.cpp",
+SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp", HERE / "prefill_f32.cpp",
+           HERE / "elementwise.cpp",
            HERE / "kv_write.cpp", HERE / "argmax.cpp"]
 HEADERS = [HERE / "common.h"]
 # -march=native: the library is built on the machine that runs it (the build dir is keyed by its CPU).
@@ -96,7 +98,7 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
 
 
 def paged_prefill_attention() -> Callable[..., torch.Tensor] | None:
-    """The compiled prefill op (bf16 only; see `prefill_supported`), or None as above."""
+    """The compiled prefill op (bf16 or fp32; see `prefill_supported`), or None as above."""
     return torch.ops.kvpool.paged_prefill_attention if _library() else None
 
 
@@ -106,10 +108,12 @@ def fused_ops() -> Any:
     return torch.ops.kvpool if _library() else None
 
 
-def prefill_supported(head_dim: int, block_size: int) -> bool:
-    """Whether this CPU and these shapes suit the prefill kernel (AVX-512 BF16, head_dim 64/128/256, blocks
-    a multiple of 16 tokens)."""
-    return _library() and bool(torch.ops.kvpool.prefill_supported(head_dim, block_size))
+def prefill_supported(head_dim: int, block_size: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU and these shapes suit the prefill kernel in `dtype`: bf16 needs AVX-512 BF16 and
+    blocks a multiple of 16 tokens, fp32 AVX2 and FMA and blocks a multiple of 8; both head_dim 64/128/256."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return _library() and bool(torch.ops.kvpool.prefill_supported(head_dim, block_size, dtype == torch.float32))
 
 
 def packed_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KVPOOL_AVX512_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVPOOL_AVX2_F32 1  // the fp32 kernels' vector paths (8-lane FMA)
+#endif
 
 namespace kvpool_kernels {
 
@@ -25,6 +28,31 @@ void decode_group_f32(const float* q, float* out, const float* k_cache, const fl
                       int64_t dim, int64_t h, int64_t s_head, int64_t s_block, int64_t s_token, int64_t block_size,
                       const int64_t* tables, int64_t width, const int64_t* lens, const int64_t* rows, int64_t first,
                       int64_t count, int64_t shared, int64_t group, float scale);
+
+// Prompt attention in fp32 (prefill_f32.cpp), run by paged_prefill_attention (prefill_attention.cpp) after
+// its checks. q and out: (rows, heads, dim); k and v: one layer's (kv_heads, blocks, block_size, dim) pages.
+struct PagedF32 {
+  const float* q;
+  float* out;
+  const float* k;
+  const float* v;
+  int64_t heads, group, dim, s_head, s_block, s_token, block_size;
+  float scale;
+
+  // Offset of query head g of kv head h in row `row` of q and out.
+  int64_t at(int64_t row, int64_t h, int64_t g) const { return (row * heads + h * group + g) * dim; }
+};
+constexpr int64_t kPrefillF32Rows = 96;  // rows (query position x query head of the group) of one task
+bool prefill_f32_supported(int64_t dim, int64_t block_size);
+// Queries [first, first + count) of a sequence whose q_len queries are rows [q_start, q_start + q_len) and
+// the last q_len of its ctx keys (read through `table`), for kv head h; window > 0: each query sees that
+// many most recent positions, itself included.
+void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start, int64_t q_len, int64_t ctx,
+                      int64_t h, int64_t first, int64_t count, int64_t window);
+// Decode rows on the same kernel (where prefill_f32_supported): sequences [first, first + count) of a group
+// sharing their first `shared` keys, kv head h; row_of[b] is sequence b's row of q and out.
+void decode_group_f32_rows(const PagedF32& pg, const int64_t* tables, int64_t width, const int64_t* lens,
+                           const int64_t* row_of, int64_t h, int64_t first, int64_t count, int64_t shared);
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -54,7 +82,7 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVPOOL_AVX2_F32
 // exp_nonpositive on eight lanes (common.h's polynomial; n rounded to nearest rather than floor(x + 0.5)).
 inline __m256 exp_nonpositive8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -69,6 +97,18 @@ inline __m256 exp_nonpositive8(__m256 x) {
   p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 #endif
 

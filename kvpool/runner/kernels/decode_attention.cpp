@@ -73,7 +73,7 @@ inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, int64
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVPOOL_AVX2_F32
 // Eight vectors of partial sums -> one vector of their eight totals, in order (sum16's AVX2 twin).
 inline __m256 sum8(const __m256* v) {
   const __m256 x0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -106,18 +106,6 @@ inline void scores_f32(const float (*qf)[kMaxDim], const float* keys, int64_t n,
   }
 }
 
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 // One online-softmax step of a query head over its n new scores (replaced by their weights): the new
 // maximum, and the sum of the weights. The generic loops below are scalar (a float max or sum is a
 // reduction the compiler may not reorder), and they were most of a decode row's time on AVX2.
@@ -142,7 +130,6 @@ inline float softmax_step8(float* p, int64_t n, float m_old, float* sum_out) {
   *sum_out = sum;
   return mx;
 }
-#define KVPOOL_AVX2_F32 1
 #endif
 
 // One decode row's query heads of one kv head, mid-way through an online softmax: the scaled queries,

@@ -522,14 +522,29 @@ void check_paged_f32(const at::Tensor& q, const at::Tensor& out, const at::Tenso
   TORCH_CHECK(!packed, "packed: the packed layout is bfloat16's");
 }
 
-// q: (T, heads, D) bf16; k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
+// What the fp32 kernels (prefill_f32.cpp) read and write, after check_paged_f32.
+PagedF32 paged_f32(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   double scale) {
+  return {q.const_data_ptr<float>(), out.mutable_data_ptr<float>(), k_cache.const_data_ptr<float>(),
+          v_cache.const_data_ptr<float>(), q.size(1), q.size(1) / k_cache.size(0), q.size(2), k_cache.stride(0),
+          k_cache.stride(1), k_cache.stride(2), k_cache.size(2), static_cast<float>(scale)};
+}
+
+// q: (T, heads, D) bf16 (or fp32 where prefill_f32_supported: prefill_f32.cpp); k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
 // row in q, its number of queries, its context length (queries included) and its block table (a row of
 // `tables`, (S, W) int64). window > 0: each query sees that many most recent positions, itself included.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens,
                                    const at::Tensor& tables, int64_t window, double scale, at::Tensor out,
                                    bool packed) {
-  check_paged_bf16(q, out, k_cache, v_cache, packed);
+  const bool f32 = q.scalar_type() == at::kFloat;
+  if (f32) {
+    check_paged_f32(q, out, k_cache, v_cache, packed);
+    TORCH_CHECK(prefill_f32_supported(q.size(2), k_cache.size(2)),
+                "float32 prompts need AVX2 and FMA, head_dim 64, 128 or 256 and block_size a multiple of 8");
+  } else {
+    check_paged_bf16(q, out, k_cache, v_cache, packed);
+  }
   const int64_t n_tok = q.size(0), heads = q.size(1);
   [[maybe_unused]] const int64_t dim = q.size(2);  // used by the AVX-512 build only
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
@@ -546,7 +561,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t* tp = tables.const_data_ptr<int64_t>();
   std::vector<Seq> seqs;
   std::vector<Task> tasks;
-  const int64_t tile = std::max<int64_t>(1, kMaxRows / group);
+  const int64_t tile = std::max<int64_t>(1, (f32 ? kPrefillF32Rows : kMaxRows) / group);
   for (int64_t i = 0; i < n_seq; ++i) {
     TORCH_CHECK(ql[i] >= 1 && qs[i] >= 0 && qs[i] + ql[i] <= n_tok, "sequence ", i, ": rows [", qs[i], ", ",
                 qs[i] + ql[i], ") are not in q's ", n_tok, " rows");
@@ -564,6 +579,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
       const int64_t keys = window > 0 ? std::min(end, window + n) : end;
       for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({i, h, f, n, keys * n});
     }
+  }
+  if (f32) {
+    const PagedF32 pg = paged_f32(q, out, k_cache, v_cache, scale);
+    run_tasks(tasks, [&](const Task& t) {
+      const Seq& s = seqs[t.seq];
+      prefill_f32_task(pg, s.table, s.q_start, s.q_len, s.ctx, t.head, t.first, t.count, window);
+    });
+    return out;
   }
 #ifdef KVPOOL_AVX512_BF16
   const Paged pg(q, out, k_cache, v_cache, scale, packed);
@@ -633,7 +656,13 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
       for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({i, h, f, n, n * ln[f]});
     }
   }
-  if (f32) {
+  if (f32 && prefill_f32_supported(q.size(2), block_size)) {
+    // On the prompt kernel (prefill_f32.cpp): a decode row's arithmetic is then a prompt row's.
+    const PagedF32 pg = paged_f32(q, out, k_cache, v_cache, scale);
+    run_tasks(tasks, [&](const Task& t) { decode_group_f32_rows(pg, tp, width, ln, ro, t.head, t.first, t.count, sh[t.seq]); });
+    return out;
+  }
+  if (f32) {  // other shapes and CPUs: decode_attention.cpp's loops
     const float* qp = q.const_data_ptr<float>();
     float* op = out.mutable_data_ptr<float>();
     const float* kp = k_cache.const_data_ptr<float>();
@@ -662,7 +691,7 @@ TORCH_LIBRARY_FRAGMENT(kvpool, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_starts, Tensor q_lens, "
         "Tensor ctx_lens, Tensor tables, int window, float scale, Tensor(a!) out, bool packed=False) -> Tensor(a!)");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
-  m.def("prefill_supported(int head_dim, int block_size) -> bool", [](int64_t d, int64_t b) {
-    return prefill_supported(d, b);
+  m.def("prefill_supported(int head_dim, int block_size, bool f32=False) -> bool", [](int64_t d, int64_t b, bool f32) {
+    return f32 ? prefill_f32_supported(d, b) : prefill_supported(d, b);
   });
 }

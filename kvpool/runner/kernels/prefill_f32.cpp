@@ -1,0 +1,324 @@
+// Paged prompt attention in fp32 on CPUs with AVX2 and FMA: the bf16 prefill kernel's design
+// (prefill_attention.cpp) in 8-lane fp32 vectors. Flash attention whose keys and values are read in place
+// through the sequence's block table; causal and sliding-window masks come from positions, so there is
+// no bias tensor, no gather and no cascade split.
+//
+// A task is (sequence, kv head, a tile of query positions): its rows are the tile's positions times the
+// kv head's query heads, so every key and value loaded serves all of them. Keys come 8 to a tile, at
+// positions that are multiples of 8. A pass transposes two tiles of keys (kt[d] = element d of the 8
+// keys) so that a score block is broadcast(query element) x key vector FMAs: up to 6 rows x 2 tiles =
+// 12 sums in flight, each query element loaded serving 16 keys, each key vector 6 rows. The online
+// softmax (natural base, common.h's exp) then moves tile by tile per row, and the value product adds
+// p x value rows (read in place, head_dim contiguous) for two rows at a time.
+//
+// A row's own arithmetic never depends on which rows or tiles share a call: its score for a key is one
+// FMA chain over head_dim from zero; its softmax and value sums go tile by tile at fixed positions, and a
+// key a row does not see changes nothing (weight exactly 0, never a rescale). That is what keeps fp32
+// tokens identical with prefix caching on or off and at any chunk size, as the bf16 kernel's are.
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+
+#include "common.h"
+
+namespace kvpool_kernels {
+
+bool prefill_f32_supported(int64_t dim, int64_t block_size) {
+#ifdef KVPOOL_AVX2_F32
+  return (dim == 64 || dim == 128 || dim == 256) && block_size % 8 == 0;
+#else
+  (void)dim;
+  (void)block_size;
+  return false;
+#endif
+}
+
+}  // namespace kvpool_kernels
+
+#ifdef KVPOOL_AVX2_F32
+namespace {
+
+using namespace kvpool_kernels;
+
+constexpr int64_t kTile = 8;        // keys per tile: one vector of scores
+constexpr int64_t kPassTiles = 2;   // tiles whose keys one pass transposes and scores together
+constexpr int64_t kRowBlock = 6;    // rows whose scores are computed together (6 x 2 tiles = 12 sums)
+constexpr int64_t kPvRows = 4;      // rows whose value sums share each value vector loaded (x 2 vectors)
+constexpr int64_t kMaxRows = kPrefillF32Rows;
+
+// The 8 x 8 matrix in r (row i: r[i]), transposed in place.
+inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+template <int64_t DIM>
+struct Rows {
+  static constexpr int64_t kChunks = DIM / 8;
+  alignas(32) float q[kMaxRows][DIM];    // the rows' queries, times the softmax scale
+  alignas(32) float acc[kMaxRows][DIM];  // their weighted value sums
+  alignas(32) float kt[kPassTiles][DIM][kTile];  // the pass's keys, transposed
+  alignas(32) float sc[kMaxRows][kPassTiles * kTile];  // the pass's scores, then weights
+  float m[kMaxRows], l[kMaxRows];        // running maximum and weight sum per row
+  int64_t pos[kMaxRows], low[kMaxRows];  // the keys a row sees: [low, pos]
+  int64_t n = 0;
+
+  // sc[r + i][8u + t] for rows [r, r + N) and the pass's NT tiles: each sum one FMA chain over head_dim.
+  template <int64_t N, int64_t NT>
+  inline void scores(int64_t r) {
+    __m256 a[N][NT];
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t u = 0; u < NT; ++u) a[i][u] = _mm256_setzero_ps();
+    }
+    for (int64_t d = 0; d < DIM; ++d) {
+      __m256 k[NT];
+      for (int64_t u = 0; u < NT; ++u) k[u] = _mm256_load_ps(kt[u][d]);
+      for (int64_t i = 0; i < N; ++i) {
+        const __m256 qi = _mm256_broadcast_ss(&q[r + i][d]);
+        for (int64_t u = 0; u < NT; ++u) a[i][u] = _mm256_fmadd_ps(qi, k[u], a[i][u]);
+      }
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t u = 0; u < NT; ++u) _mm256_store_ps(sc[r + i] + kTile * u, a[i][u]);
+    }
+  }
+
+  template <int64_t NT>
+  inline void scores_rows(int64_t r, int64_t count) {
+    switch (count) {
+      case 1: scores<1, NT>(r); break;
+      case 2: scores<2, NT>(r); break;
+      case 3: scores<3, NT>(r); break;
+      case 4: scores<4, NT>(r); break;
+      case 5: scores<5, NT>(r); break;
+      default: scores<kRowBlock, NT>(r); break;
+    }
+  }
+
+  // acc[rows[i]] += sum over the pass's keys t in [t0, t1), in order, of sc[rows[i]][t] x value t (at
+  // vals[t]), for N rows: each value vector loaded serves them all.
+  template <int64_t N>
+  inline void add_values(const int64_t* rows, const float* const* vals, int64_t t0, int64_t t1) {
+    constexpr int64_t kStep = 2;  // value vectors per row kept in registers
+    for (int64_t c0 = 0; c0 < kChunks; c0 += kStep) {
+      __m256 o[N][kStep];
+      for (int64_t i = 0; i < N; ++i) {
+        for (int64_t c = 0; c < kStep; ++c) o[i][c] = _mm256_load_ps(acc[rows[i]] + 8 * (c0 + c));
+      }
+      for (int64_t t = t0; t < t1; ++t) {
+        __m256 vv[kStep];
+        for (int64_t c = 0; c < kStep; ++c) vv[c] = _mm256_loadu_ps(vals[t] + 8 * (c0 + c));
+        for (int64_t i = 0; i < N; ++i) {
+          const __m256 p = _mm256_broadcast_ss(&sc[rows[i]][t]);
+          for (int64_t c = 0; c < kStep; ++c) o[i][c] = _mm256_fmadd_ps(p, vv[c], o[i][c]);
+        }
+      }
+      for (int64_t i = 0; i < N; ++i) {
+        for (int64_t c = 0; c < kStep; ++c) _mm256_store_ps(acc[rows[i]] + 8 * (c0 + c), o[i][c]);
+      }
+    }
+  }
+
+  // Row r's online-softmax step over the pass's keys [t0 + t_lo, t0 + t_hi): false if it sees none of them.
+  // The weights replace the scores; a key the row does not see gets weight exactly 0.
+  inline bool softmax_pass(int64_t r, int64_t t0, int64_t t_lo, int64_t t_hi) {
+    const int64_t lo = std::max(low[r] - t0, t_lo), hi = std::min(pos[r] - t0, t_hi - 1);  // seen: [lo, hi]
+    if (lo > hi) return false;
+    __m256 s[kPassTiles], seen[kPassTiles];
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 mx8 = _mm256_set1_ps(m[r]);
+    for (int64_t u = 0; u < kPassTiles; ++u) {
+      const int64_t a = lo - kTile * u, b = hi - kTile * u;  // this tile's lanes seen: [a, b]
+      if (b < 0 || a >= kTile) {
+        s[u] = _mm256_set1_ps(-INFINITY);
+        seen[u] = _mm256_setzero_ps();
+        continue;
+      }
+      s[u] = _mm256_load_ps(sc[r] + kTile * u);
+      seen[u] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+      if (a > 0 || b < kTile - 1) {
+        const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(a)), lane);
+        const __m256i after = _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(b)));
+        seen[u] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_or_si256(before, after), _mm256_set1_epi32(-1)));
+        s[u] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[u], seen[u]);
+      }
+      mx8 = _mm256_max_ps(mx8, s[u]);
+    }
+    const float mx = hmax8(mx8);
+    if (mx > m[r]) {  // (an unchanged maximum would rescale by exp(0) = 1 exactly: skipping it changes no bit)
+      const float alpha = exp_nonpositive(m[r] - mx);
+      l[r] *= alpha;
+      const __m256 va = _mm256_set1_ps(alpha);
+      for (int64_t c = 0; c < kChunks; ++c) _mm256_store_ps(acc[r] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * c), va));
+      m[r] = mx;
+    }
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t u = 0; u < kPassTiles; ++u) {
+      const __m256 p = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(s[u], vmx)), seen[u]);
+      _mm256_store_ps(sc[r] + kTile * u, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    l[r] += hsum8(sum);
+    return true;
+  }
+
+  // A row for query `query` (DIM floats), which sees keys [first_visible, position].
+  void add(const float* query, float scale, int64_t position, int64_t first_visible) {
+    for (int64_t d = 0; d < DIM; ++d) {
+      q[n][d] = query[d] * scale;
+      acc[n][d] = 0.0f;
+    }
+    m[n] = -INFINITY;
+    l[n] = 0.0f;
+    pos[n] = position;
+    low[n] = first_visible;
+    ++n;
+  }
+
+  // Rows [row_begin, row_end) over keys [key_lo, key_hi) of kv head h's pages, read through `table`. A
+  // key a row does not see ([low, pos]) changes nothing of it, so rows may share keys that only some see.
+  void attend(const PagedF32& pg, int64_t h, const int64_t* table, int64_t row_begin, int64_t row_end, int64_t key_lo,
+              int64_t key_hi) {
+    const float* k = pg.k + h * pg.s_head;
+    const float* v = pg.v + h * pg.s_head;
+    int64_t live[kMaxRows];
+    constexpr int64_t kPass = kTile * kPassTiles;
+    // Passes at fixed positions (multiples of 16): a row's softmax moves pass by pass, so its result depends
+    // on the keys alone, not on which rows or keys shared its task.
+    for (int64_t t0 = key_lo - key_lo % kPass; t0 < key_hi; t0 += kPass) {
+      const int64_t nt = std::min<int64_t>(kPassTiles, (key_hi - t0 + kTile - 1) / kTile);
+      const float* vals[kPass] = {};  // each key's values
+      // The pass's keys that are read: [t_lo, t_hi). The others (before the window, past the context, another
+      // call's) may hold NaN (unused slots, released blocks): their scores are masked, their values not loaded.
+      const int64_t t_lo = std::max<int64_t>(key_lo - t0, 0), t_hi = std::min<int64_t>(key_hi - t0, kPass);
+      for (int64_t u = 0; u < nt; ++u) {
+        const int64_t tu = t0 + kTile * u;  // a tile never straddles a block: block_size % 8 == 0
+        const int64_t at = table[tu / pg.block_size] * pg.s_block + (tu % pg.block_size) * pg.s_token;
+        for (int64_t t = 0; t < kTile; ++t) vals[kTile * u + t] = v + at + t * pg.s_token;
+        const float* keys = k + at;
+        for (int64_t c = 0; c < DIM / 8; ++c) {
+          __m256 r[8];
+          for (int64_t t = 0; t < kTile; ++t) {
+            const int64_t key = kTile * u + t;
+            r[t] = key >= t_lo && key < t_hi ? _mm256_loadu_ps(keys + t * pg.s_token + 8 * c) : _mm256_setzero_ps();
+          }
+          transpose8(r);
+          for (int64_t e = 0; e < 8; ++e) _mm256_store_ps(kt[u][8 * c + e], r[e]);
+        }
+      }
+      // Keys [t0 + t_lo, t0 + t_hi) seen by some row: in a prompt tile rows' [low, pos] rise with the row,
+      // so the rows left out at either end see none of them (in a decode group every row sees them all).
+      int64_t r0 = row_begin, r1 = row_end;
+      while (r0 < r1 && pos[r0] < t0 + t_lo) ++r0;
+      while (r1 > r0 && low[r1 - 1] >= t0 + t_hi) --r1;
+      for (int64_t r = r0; r < r1; r += kRowBlock) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, r1 - r);
+        if (nt == 2) {
+          scores_rows<2>(r, rows);
+        } else {
+          scores_rows<1>(r, rows);
+        }
+      }
+      int64_t n_live = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (softmax_pass(r, t0, t_lo, t_hi)) live[n_live++] = r;
+      }
+      int64_t i = 0;
+      for (; i + kPvRows <= n_live; i += kPvRows) add_values<kPvRows>(live + i, vals, t_lo, t_hi);
+      if (n_live - i == 3) add_values<3>(live + i, vals, t_lo, t_hi);
+      if (n_live - i == 2) add_values<2>(live + i, vals, t_lo, t_hi);
+      if (n_live - i == 1) add_values<1>(live + i, vals, t_lo, t_hi);
+    }
+  }
+
+  void write(int64_t r, float* out) const {
+    const float inv = 1.0f / l[r];  // every row sees at least its own key
+    for (int64_t d = 0; d < DIM; ++d) out[d] = acc[r][d] * inv;
+  }
+};
+
+// One prompt task: queries [first, first + count) of a sequence (rows from q_start on, the first at
+// position pos0), for kv head h.
+template <int64_t DIM>
+void prompt_task(const PagedF32& pg, const int64_t* table, int64_t q_start, int64_t pos0, int64_t h, int64_t first,
+                 int64_t count, int64_t window) {
+  // ~2 x 96 x DIM floats of row state: on the heap, not on an OpenMP thread's stack.
+  auto rows = std::make_unique<Rows<DIM>>();
+  const int64_t group = pg.group;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t p = pos0 + i;
+    for (int64_t g = 0; g < group; ++g) {
+      rows->add(pg.q + pg.at(q_start + first + i, h, g), pg.scale, p, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0);
+    }
+  }
+  rows->attend(pg, h, table, 0, rows->n, rows->low[0], pos0 + count);
+  for (int64_t r = 0; r < rows->n; ++r) rows->write(r, pg.out + pg.at(q_start + first + r / group, h, r % group));
+}
+
+// One decode task: single-query sequences [first, first + count) sharing their first `shared` keys (the
+// same blocks), for kv head h: the shared keys are read once for all their rows, then each sequence's own.
+template <int64_t DIM>
+void decode_group_task(const PagedF32& pg, const int64_t* tables, int64_t width, const int64_t* lens,
+                       const int64_t* row_of, int64_t h, int64_t first, int64_t count, int64_t shared) {
+  auto rows = std::make_unique<Rows<DIM>>();
+  const int64_t group = pg.group;
+  for (int64_t b = first; b < first + count; ++b) {
+    for (int64_t g = 0; g < group; ++g) rows->add(pg.q + pg.at(row_of[b], h, g), pg.scale, lens[b] - 1, 0);
+  }
+  rows->attend(pg, h, tables + first * width, 0, rows->n, 0, shared);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t b = first + i;
+    rows->attend(pg, h, tables + b * width, i * group, (i + 1) * group, shared, lens[b]);
+    for (int64_t g = 0; g < group; ++g) rows->write(i * group + g, pg.out + pg.at(row_of[b], h, g));
+  }
+}
+
+}  // namespace
+#endif
+
+namespace kvpool_kernels {
+
+void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start, int64_t q_len, int64_t ctx,
+                      int64_t h, int64_t first, int64_t count, int64_t window) {
+#ifdef KVPOOL_AVX2_F32
+  const int64_t pos0 = ctx - q_len + first;  // position of the task's first query
+  auto* fn = pg.dim == 64 ? &prompt_task<64> : pg.dim == 128 ? &prompt_task<128> : &prompt_task<256>;
+  fn(pg, table, q_start, pos0, h, first, count, window);
+#else
+  (void)pg, (void)table, (void)q_start, (void)q_len, (void)ctx, (void)h, (void)first, (void)count, (void)window;
+#endif
+}
+
+void decode_group_f32_rows(const PagedF32& pg, const int64_t* tables, int64_t width, const int64_t* lens,
+                           const int64_t* row_of, int64_t h, int64_t first, int64_t count, int64_t shared) {
+#ifdef KVPOOL_AVX2_F32
+  auto* fn = pg.dim == 64 ? &decode_group_task<64> : pg.dim == 128 ? &decode_group_task<128> : &decode_group_task<256>;
+  fn(pg, tables, width, lens, row_of, h, first, count, shared);
+#else
+  (void)pg, (void)tables, (void)width, (void)lens, (void)row_of, (void)h, (void)first, (void)count, (void)shared;
+#endif
+}
+
+}  // namespace kvpool_kernels
