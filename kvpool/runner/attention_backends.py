@@ -105,8 +105,8 @@ class CpuKernelBackend(AttentionBackend):
                  cascade: bool = True, min_cascade_tokens: int = MIN_CASCADE_TOKENS, packed: bool = False) -> None:
         super().__init__(block_size, dtype, group_heads)
         if packed and not prefill:
-            raise ValueError("packed: the packed KV layout is read by the bf16 prefill/grouped kernels only")
-        # The caches hold keys and values as the bf16 kernels read them (kvpool.runner.kernels.packed_layout):
+            raise ValueError("packed: the packed KV layout is read by the prefill/grouped kernels only")
+        # The caches hold keys (bf16: and values) as the kernels read them (kvpool.runner.kernels.packed_layout):
         # packed once as they are written, never again at each read.
         self.packed = packed
         self.decode_op = kernels.paged_decode_attention()

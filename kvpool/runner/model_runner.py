@@ -150,11 +150,10 @@ class ModelRunner:
                               and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
                               and kernels.paged_decode_attention() is not None)
         self.prefill_kernel = self.decode_kernel and kernels.prefill_supported(arch.head_dim, block_size, self.dtype)
-        # Keys and values stored as the bf16 kernels read them, where those kernels read every layer's cache
-        # (full attention: windowed decode rows and cross-attention read the standard layout; state models
-        # share byte pages with state layers).
-        self.packed_kv = (self.prefill_kernel and self.dtype == torch.bfloat16 and not cross_layers
-                          and all(w is None for w in arch.layer_windows)
+        # Keys (bf16: and values) stored as the kernels read them, where those kernels read every layer's
+        # cache (full attention: windowed decode rows and cross-attention read the standard layout; state
+        # models share byte pages with state layers).
+        self.packed_kv = (self.prefill_kernel and not cross_layers and all(w is None for w in arch.layer_windows)
                           and getattr(arch, "layer_state_shapes", None) is None)
         # The attention path, chosen once: it plans every attention group's metadata and computes it.
         self.attn_backend = select_backend(block_size=block_size, dtype=self.dtype,
@@ -256,10 +255,12 @@ class ModelRunner:
 
     @property
     def kv_layout(self) -> str:
-        """How a block's bytes are ordered: "standard" ((kv_heads, block_size, head_dim) per K and V) or
-        "packed16" (kvpool.runner.kernels.packed_layout). Blocks of one are garbage to the other, so the
-        store's fingerprint carries it."""
-        return "packed16" if self.packed_kv else "standard"
+        """How a block's bytes are ordered: "standard" ((kv_heads, block_size, head_dim) per K and V),
+        "packed16" (bf16) or "packed8" (fp32), see kvpool.runner.kernels.packed_layout. Blocks of one are
+        garbage to another, so the store's fingerprint carries it."""
+        if not self.packed_kv:
+            return "standard"
+        return "packed16" if self.dtype == torch.bfloat16 else "packed8"
 
     @property
     def max_model_len(self) -> int:

@@ -28,7 +28,7 @@ Caches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 def layout(caches: Caches, kv_layout: str = "standard") -> str:
     """The page layout in a fingerprint: shapes, dtype, byte order, and how a block orders its elements
-    (`kv_layout`: the runner's, "standard" or "packed16"; see ModelRunner.kv_layout)."""
+    (`kv_layout`: the runner's, "standard", "packed16" or "packed8"; see ModelRunner.kv_layout)."""
     k = caches[0][0]
     heads, _, block, dim = k.shape
     text = f"L{len(caches)}:KV:{heads}x{block}x{dim}:{str(k.dtype).removeprefix('torch.')}:{sys.byteorder}"

@@ -80,21 +80,22 @@ def test_tokens_identical_with_caching_and_chunking(smol_dir: Path, dtype: str) 
     assert results[0] == results[1] == results[2]
 
 
-def test_bf16_packed_blocks_round_trip_through_the_host_tier(smol_dir: Path) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_packed_blocks_round_trip_through_the_host_tier(smol_dir: Path, dtype: str) -> None:
     """Blocks in the kernels' packed layout go to the host tier and come back as whole blocks: hits served
     from the host give the tokens of no caching at all (same schedule: one request at a time)."""
-    if not kernels.prefill_supported(64, 16):
-        pytest.skip("this CPU has no AVX-512 BF16: no packed layout here")
+    if not kernels.prefill_supported(64, 16, getattr(torch, dtype)):
+        pytest.skip(f"this CPU runs no {dtype} prefill kernel: no packed layout here")
     sp = SamplingParams.greedy(8)
-    ref = LLM(str(smol_dir), dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    ref = LLM(str(smol_dir), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
     systems = [SYSTEM, SYSTEM.upper()]
     # Two system prompts, interleaved: with 24 device blocks, each one's blocks are sheltered on the host
     # while the other runs, and its next question hits them there.
     prompts = [ref.engine.apply_chat_template([{"role": "system", "content": systems[i % 2]},
                                                {"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS[:4])]
     want = [ref.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
-    llm = LLM(str(smol_dir), dtype="bfloat16", num_blocks=24, swap_space="16MiB")
-    assert llm.engine.runner.packed_kv
+    llm = LLM(str(smol_dir), dtype=dtype, num_blocks=24, swap_space="16MiB")
+    assert llm.engine.runner.kv_layout == {"bfloat16": "packed16", "float32": "packed8"}[dtype]
     outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
     assert [o.token_ids for o in outs] == want
     assert all(o.num_cached_tokens > 0 for o in outs[2:])

@@ -143,6 +143,7 @@ def test_fp32_grouped_decode_refuses_a_member_that_does_not_share_the_blocks(op)
     with pytest.raises(RuntimeError, match="sequence 1 does not share block 0"):
         torch.ops.kvpool.paged_decode_grouped(q, kc, vc, torch.tensor([0, 1]), tables, ln, torch.tensor([0, 2]),
                                               torch.tensor([16]), 0.125, torch.empty_like(q))
-    with pytest.raises(RuntimeError, match="packed layout is bfloat16's"):
+    q, kc, vc, tables, _, ln = make(torch.float32, 4, 2, 40, 16, [40, 40], [0, 0])  # head_dim 40: decode loops only
+    with pytest.raises(RuntimeError, match="packed layout need AVX2 and FMA, head_dim 64, 128 or 256"):
         torch.ops.kvpool.paged_decode_grouped(q, kc, vc, torch.tensor([0, 1]), tables, ln, torch.tensor([0, 1, 2]),
                                               torch.tensor([0, 0]), 0.125, torch.empty_like(q), True)

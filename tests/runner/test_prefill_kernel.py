@@ -150,8 +150,9 @@ def test_fp32_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="head_dim 64, 128 or 256"):
         op(q[..., :32].contiguous(), kc[..., :32].contiguous(), vc[..., :32].contiguous(), starts, lens, ctx, tables,
            0, 1.0, torch.empty_like(q[..., :32]))
-    with pytest.raises(RuntimeError, match="the packed layout is bfloat16's"):
-        op(q, kc, vc, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q), True)
+    with pytest.raises(RuntimeError, match="packed caches must have each block's tokens contiguous"):
+        op(q, kc.transpose(0, 1).contiguous().transpose(0, 1), vc.transpose(0, 1).contiguous().transpose(0, 1),
+           starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q), True)
     with pytest.raises(RuntimeError, match="k_cache and v_cache must share one Float"):
         op(q, kc.bfloat16(), vc.bfloat16(), starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
@@ -175,14 +176,14 @@ def test_refuses_bad_input(op) -> None:
         op(q, small, small, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
 
 
-def grouped_scenario(groups, heads=9, kv_heads=3, dim=64, bs=16, seed=3):
+def grouped_scenario(groups, heads=9, kv_heads=3, dim=64, bs=16, seed=3, dtype=torch.bfloat16):
     """groups: (shared blocks, [context lengths]) each; members share their first blocks physically."""
     g = torch.Generator().manual_seed(seed)
     lens = [n for _, ns in groups for n in ns]
     width = max(-(-n // bs) for n in lens)
     nb = 1 + width * len(lens) + sum(sh for sh, _ in groups)
-    kc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
-    vc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
+    kc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(dtype)
+    vc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(dtype)
     free = (1 + torch.randperm(nb - 1, generator=g)).tolist()
     tables, starts, shared = [], [0], []
     for sh, ns in groups:
@@ -196,7 +197,7 @@ def grouped_scenario(groups, heads=9, kv_heads=3, dim=64, bs=16, seed=3):
         shared.append(sh * bs)
     kc[:, 0] = float("nan")
     vc[:, 0] = float("nan")
-    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     return q, kc, vc, torch.tensor(tables), torch.tensor(lens), torch.tensor(starts), torch.tensor(shared)
 
 
@@ -263,11 +264,11 @@ def test_write_kv_matches_index_copy() -> None:
         torch.ops.kvpool.write_kv(k[:1], v[:1], kc, vc, torch.tensor([nb * bs]))
 
 
-def test_packed_caches_give_identical_results(op) -> None:
-    # The same caches in the kernel's own layout (written once, read in place): bit-identical outputs, for
+def test_packed_caches_give_identical_results(dtype) -> None:
+    # The same caches in the kernels' own layout (written once, read in place): bit-identical outputs, for
     # prompt chunks over cached context and for grouped decode rows (unused slots hold NaN in both).
     q, kc, vc, tables, lens, starts, shared = grouped_scenario(
-        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])])
+        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])], dtype=dtype)
     pk, pv = kernels.packed_layout(kc, vc)
     rows = torch.arange(q.shape[0])
     outs = [torch.ops.kvpool.paged_decode_grouped(q, k, v, rows, tables, lens, starts, shared, 0.125,
@@ -277,22 +278,24 @@ def test_packed_caches_give_identical_results(op) -> None:
     # Prompt chunks: 3 sequences with 5, 17 and 30 queries at the end of their contexts, one with a window.
     qs, ql = torch.tensor([0, 5, 22]), torch.tensor([5, 17, 30])
     ctx = lens[:3].clone()
-    qp = torch.randn(52, 9, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    qp = torch.randn(52, 9, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    op = kernels.paged_prefill_attention()
     for window in (0, 24):
         got = [op(qp, k, v, qs, ql, ctx, tables[:3].contiguous(), window, 0.125, torch.empty_like(qp), packed)
                for k, v, packed in ((kc, vc, False), (pk, pv, True))]
         assert torch.equal(got[0], got[1]) and not got[0].isnan().any()
 
 
-def test_write_kv_packed_is_the_packed_layout_of_write_kv() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_packed_is_the_packed_layout_of_write_kv(dtype) -> None:
     assert kernels.fused_ops() is not None, "the kernels must build on this machine"
     g = torch.Generator().manual_seed(6)
     kv_heads, nb, bs, dim, t = 3, 5, 32, 64, 50
-    k = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
-    v = torch.randn(t, 2 * kv_heads, dim, generator=g).to(torch.bfloat16)[:, ::2]  # strided heads
+    k = torch.randn(t, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(t, 2 * kv_heads, dim, generator=g).to(dtype)[:, ::2]  # strided heads
     slots = torch.randperm(nb * bs, generator=g)[:t]
-    kc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
-    vc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(torch.bfloat16)
+    kc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(dtype)
+    vc = torch.randn(kv_heads, nb, bs, dim, generator=g).to(dtype)
     pk, pv = kernels.packed_layout(kc, vc)
     torch.ops.kvpool.write_kv(k, v, kc, vc, slots)
     torch.ops.kvpool.write_kv_packed(k, v, pk, pv, slots)

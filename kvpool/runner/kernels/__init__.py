@@ -118,9 +118,13 @@ def prefill_supported(head_dim: int, block_size: int, dtype: torch.dtype = torch
 
 def packed_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of standard (kv_heads, blocks, block_size, head_dim) caches in the layout `write_kv_packed`
-    writes and the bf16 kernels read with `packed=True` (the reference for that layout, in torch ops):
-    per 16 tokens, keys as [head_dim / 2][16] pairs of elements, values as [8][head_dim] pairs of tokens."""
+    writes and the kernels read with `packed=True` (the reference for that layout, in torch ops). bf16: per
+    16 tokens, keys as [head_dim / 2][16] pairs of elements, values as [8][head_dim] pairs of tokens. fp32:
+    per 8 tokens, keys as [head_dim][8]; values unchanged."""
     h, nb, bs, d = k_cache.shape
+    if k_cache.dtype == torch.float32:
+        k = k_cache.reshape(h, nb, bs // 8, 8, d).permute(0, 1, 2, 4, 3)
+        return k.contiguous().view(h, nb, bs, d), v_cache.clone()
     k = k_cache.reshape(h, nb, bs // 16, 16, d // 2, 2).permute(0, 1, 2, 4, 3, 5)
     v = v_cache.reshape(h, nb, bs // 16, 8, 2, d).permute(0, 1, 2, 3, 5, 4)
     return k.contiguous().view(h, nb, bs, d), v.contiguous().view(h, nb, bs, d)

@@ -38,6 +38,7 @@ struct PagedF32 {
   const float* v;
   int64_t heads, group, dim, s_head, s_block, s_token, block_size;
   float scale;
+  bool packed;  // keys stored as [dim][8] per 8 tokens (write_kv_packed), values in rows
 
   // Offset of query head g of kv head h in row `row` of q and out.
   int64_t at(int64_t row, int64_t h, int64_t g) const { return (row * heads + h * group + g) * dim; }

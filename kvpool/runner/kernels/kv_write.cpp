@@ -52,15 +52,44 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
-// The same into caches laid out as the bf16 attention kernel reads them (prefill_attention.cpp's pack_keys
-// and pack_values, done once at write time instead of at every read): within a block, every 16 tokens
+// fp32 caches as prefill_f32.cpp reads them: within a block, every 8 tokens' keys form a tile of
+// [head_dim][8] (key t's element d at [d][t], what the kernel's transposes made at every read); values
+// stay in rows, which it reads in place.
+void write_kv_packed_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slots) {
+  TORCH_CHECK(k_cache.size(2) % 8 == 0, "packed float32 caches need blocks of a multiple of 8 tokens");
+  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  const float* kp = k.const_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  float* kc = k_cache.mutable_data_ptr<float>();
+  float* vc = v_cache.mutable_data_ptr<float>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t tile = sp[t] / 8, i = sp[t] % 8;  // tiles are whole within a block (8 | block_size)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* ks = kp + t * k.stride(0) + h * k.stride(1);
+        float* kt = kc + h * head_stride + tile * 8 * dim;
+        for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = ks[d];
+        std::memcpy(vc + h * head_stride + sp[t] * dim, vp + t * v.stride(0) + h * v.stride(1), dim * sizeof(float));
+      }
+    }
+  });
+}
+
+// The same into caches laid out as the attention kernels read them (done once at write time instead of at
+// every read). bf16 (prefill_attention.cpp's pack_keys and pack_values): within a block, every 16 tokens
 // form a tile; a key tile is [head_dim / 2][16] pairs (key t's elements 2p, 2p + 1 at [p][t]), a value
-// tile [8][head_dim] pairs (element d of tokens 2j and 2j + 1 at [j][d]). Whole blocks keep their bytes
-// together, so swaps and the store copy them as before.
+// tile [8][head_dim] pairs (element d of tokens 2j and 2j + 1 at [j][d]). fp32: write_kv_packed_f32.
+// Whole blocks keep their bytes together, so swaps and the store copy them as before.
 void write_kv_packed(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slots) {
   check_write(k, v, k_cache, v_cache, slots);
-  TORCH_CHECK(k_cache.element_size() == 2, "packed caches hold a 16-bit dtype");
+  if (k_cache.scalar_type() == at::kFloat) {
+    write_kv_packed_f32(k, v, k_cache, v_cache, slots);
+    return;
+  }
+  TORCH_CHECK(k_cache.element_size() == 2, "packed caches hold float32 or a 16-bit dtype");
   TORCH_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(3) % 2 == 0, "packed caches need blocks of a multiple of 16 tokens");
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), pairs = dim / 2, head_stride = k_cache.stride(0);
   const int64_t* sp = slots.const_data_ptr<int64_t>();

@@ -491,7 +491,7 @@ void run_tasks(std::vector<Task>& tasks, const Fn& fn) {
 
 // The checks every op here makes of q, out and the caches, in `dtype` (bf16; fp32 for grouped decode rows).
 void check_paged_layout(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, at::ScalarType dtype, int64_t max_group) {
+                        const at::Tensor& v_cache, at::ScalarType dtype, int64_t max_group, bool packed) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == dtype, "q must be a contiguous ", dtype,
               " (rows, heads, head_dim) tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
@@ -503,31 +503,34 @@ void check_paged_layout(const at::Tensor& q, const at::Tensor& out, const at::Te
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= max_group,
               "heads / kv_heads must be a whole number <= ", max_group);
-}
-
-void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      bool packed) {
-  check_paged_layout(q, out, k_cache, v_cache, at::kBFloat16, kMaxRows);
-  TORCH_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
-              "needs AVX-512 BF16, head_dim 64, 128 or 256 and block_size a multiple of 16");
   TORCH_CHECK(!packed || (k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3)),
               "packed caches must have each block's tokens contiguous");
 }
 
-// The fp32 grouped decode's limits (any CPU: decode_attention.cpp's loops, AVX2 where there is one).
+void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      bool packed) {
+  check_paged_layout(q, out, k_cache, v_cache, at::kBFloat16, kMaxRows, packed);
+  TORCH_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
+              "needs AVX-512 BF16, head_dim 64, 128 or 256 and block_size a multiple of 16");
+}
+
+// The fp32 ops' limits: the grouped decode runs on any CPU (prefill_f32.cpp's kernel where it runs, else
+// decode_attention.cpp's loops); prompts and the packed layout need prefill_f32.cpp's kernel.
 void check_paged_f32(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      bool packed) {
-  check_paged_layout(q, out, k_cache, v_cache, at::kFloat, 16);
+  check_paged_layout(q, out, k_cache, v_cache, at::kFloat, 16, packed);
   TORCH_CHECK(q.size(2) <= 256 && k_cache.size(2) <= 256, "head_dim <= 256 and block_size <= 256 only");
-  TORCH_CHECK(!packed, "packed: the packed layout is bfloat16's");
+  TORCH_CHECK(!packed || prefill_f32_supported(q.size(2), k_cache.size(2)),
+              "packed: float32 caches in the packed layout need AVX2 and FMA, head_dim 64, 128 or 256 and block_size "
+              "a multiple of 8");
 }
 
 // What the fp32 kernels (prefill_f32.cpp) read and write, after check_paged_f32.
 PagedF32 paged_f32(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   double scale) {
+                   double scale, bool packed) {
   return {q.const_data_ptr<float>(), out.mutable_data_ptr<float>(), k_cache.const_data_ptr<float>(),
           v_cache.const_data_ptr<float>(), q.size(1), q.size(1) / k_cache.size(0), q.size(2), k_cache.stride(0),
-          k_cache.stride(1), k_cache.stride(2), k_cache.size(2), static_cast<float>(scale)};
+          k_cache.stride(1), k_cache.stride(2), k_cache.size(2), static_cast<float>(scale), packed};
 }
 
 // q: (T, heads, D) bf16 (or fp32 where prefill_f32_supported: prefill_f32.cpp); k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
@@ -581,7 +584,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     }
   }
   if (f32) {
-    const PagedF32 pg = paged_f32(q, out, k_cache, v_cache, scale);
+    const PagedF32 pg = paged_f32(q, out, k_cache, v_cache, scale, packed);
     run_tasks(tasks, [&](const Task& t) {
       const Seq& s = seqs[t.seq];
       prefill_f32_task(pg, s.table, s.q_start, s.q_len, s.ctx, t.head, t.first, t.count, window);
@@ -658,7 +661,7 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
   }
   if (f32 && prefill_f32_supported(q.size(2), block_size)) {
     // On the prompt kernel (prefill_f32.cpp): a decode row's arithmetic is then a prompt row's.
-    const PagedF32 pg = paged_f32(q, out, k_cache, v_cache, scale);
+    const PagedF32 pg = paged_f32(q, out, k_cache, v_cache, scale, packed);
     run_tasks(tasks, [&](const Task& t) { decode_group_f32_rows(pg, tp, width, ln, ro, t.head, t.first, t.count, sh[t.seq]); });
     return out;
   }
