@@ -14,7 +14,7 @@
 // place, head_dim contiguous) for 4 rows x 2 vectors at a time.
 //
 // A row's own arithmetic never depends on which rows or tiles share a call: its score for a key is one
-// FMA chain over head_dim from zero; its softmax and value sums go tile by tile at fixed positions, and a
+// FMA chain over head_dim from zero; its softmax and value sums go pass by pass at fixed positions, and a
 // key a row does not see changes nothing (weight exactly 0, never a rescale). That is what keeps fp32
 // tokens identical with prefix caching on or off and at any chunk size, as the bf16 kernel's are.
 #include <ATen/core/Tensor.h>
