@@ -533,8 +533,8 @@ PagedF32 paged_f32(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
           k_cache.stride(1), k_cache.stride(2), k_cache.size(2), static_cast<float>(scale), packed};
 }
 
-// q: (T, heads, D) bf16 (or fp32 where prefill_f32_supported: prefill_f32.cpp); k_cache, v_cache: (kv_heads, blocks, block_size, D); per sequence: its first
-// row in q, its number of queries, its context length (queries included) and its block table (a row of
+// q: (T, heads, D) bf16 (or fp32 where prefill_f32_supported: prefill_f32.cpp); k_cache, v_cache:
+// (kv_heads, blocks, block_size, D); per sequence: its first row in q, its number of queries, its context length (queries included) and its block table (a row of
 // `tables`, (S, W) int64). window > 0: each query sees that many most recent positions, itself included.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens,
