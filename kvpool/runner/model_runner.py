@@ -163,7 +163,7 @@ class ModelRunner:
                                            packed=self.packed_kv)
         # Fused norm, rotary and SiLU-and-multiply (bf16 and fp32): modules with a `fused` slot use them when set.
         self.fused_ops = self.decode_kernel
-        self._argmax_bf16 = kernels.fused_ops().argmax_rows if self.fused_ops else None
+        self._argmax_rows = kernels.fused_ops().argmax_rows if self.fused_ops else None
         if self.fused_ops:
             for m in self.model.modules():
                 if hasattr(m, "fused"):
@@ -516,7 +516,7 @@ class ModelRunner:
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
         elif all(s.sampling is None or s.sampling.temperature <= 0.0 for s in want):
             # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
-            tokens = self.model.greedy_tokens(last, self._argmax_bf16).tolist()
+            tokens = self.model.greedy_tokens(last, self._argmax_rows).tolist()
             return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}
         else:
             logits = self.model.compute_logits(last)

@@ -85,17 +85,23 @@ def test_refuses_bad_input(ops) -> None:
         ops.silu_and_mul(x, torch.empty(4, 2, 64, dtype=torch.bfloat16))
 
 
-def test_argmax_rows_is_torch_argmax_of_the_fp32_logits(ops) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_is_torch_argmax_of_the_fp32_logits(ops, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(7)
     # Few distinct values, so most rows have ties (the lowest index must win, across lanes and the tail).
-    x = torch.randint(-3, 4, (40, 1000), generator=g).to(torch.bfloat16)
+    x = torch.randint(-3, 4, (40, 1000), generator=g).to(dtype)
     x[0] = 0  # all tied: index 0
     x[1, 999] = 9  # the max in the tail after the last whole 16 lanes
     x[2, 17] = float("nan")  # torch: a NaN is the maximum
     x[3, 5] = x[3, 700] = float("nan")  # the first NaN
     x[4, :3] = -float("inf")
-    for rows in (x, x[:, :7], torch.randn(64, 49152, generator=g).to(torch.bfloat16)):
+    x[5, 998] = float("nan")  # a NaN in the tail only
+    x[6, 3:] = -float("inf")
+    x[6, 1] = float("inf")
+    for rows in (x, x[:, :7], x[:, :8], x[:, :999], torch.randn(64, 49152, generator=g).to(dtype)):
         rows = rows.contiguous()
         assert ops.argmax_rows(rows).tolist() == rows.float().argmax(dim=-1).tolist()
-    with pytest.raises(RuntimeError, match="logits must be a contiguous bfloat16"):
-        ops.argmax_rows(x.float())
+    with pytest.raises(RuntimeError, match="logits must be a contiguous bfloat16 or float32"):
+        ops.argmax_rows(x.half())
+    with pytest.raises(RuntimeError, match="logits must be a contiguous bfloat16 or float32"):
+        ops.argmax_rows(x.t())

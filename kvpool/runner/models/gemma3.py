@@ -142,8 +142,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cap = self.arch.final_logit_softcapping  # type: ignore[attr-defined]
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def greedy_tokens(self, hidden: torch.Tensor, argmax_bf16: Any = None) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, argmax_rows: Any = None) -> torch.Tensor:
         if self.arch.final_logit_softcapping is not None:  # type: ignore[attr-defined]
             # tanh saturates: logits distinct before capping may tie after it, and ties go to the lowest id.
             return self.compute_logits(hidden).argmax(dim=-1)
-        return super().greedy_tokens(hidden, argmax_bf16)
+        return super().greedy_tokens(hidden, argmax_rows)

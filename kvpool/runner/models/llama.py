@@ -261,13 +261,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.raw_logits(hidden).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor, argmax_bf16: Any = None) -> torch.Tensor:
-        """argmax of compute_logits, ties to the lowest id. `argmax_bf16` (kvpool's compiled op): read bf16
-        logits in place instead of widening them first; exact, since widening bf16 to fp32 changes no value.
+    def greedy_tokens(self, hidden: torch.Tensor, argmax_rows: Any = None) -> torch.Tensor:
+        """argmax of compute_logits, ties to the lowest id. `argmax_rows` (kvpool's compiled op): read bf16 or
+        fp32 logits in place, in vectors (bf16 without widening: exact, since widening changes no value).
         Models that transform their logits (softcapping) override this."""
         raw = self.raw_logits(hidden)
-        if argmax_bf16 is not None and raw.dtype == torch.bfloat16 and raw.is_contiguous():
-            return argmax_bf16(raw)
+        if argmax_rows is not None and raw.dtype in (torch.bfloat16, torch.float32) and raw.is_contiguous():
+            return argmax_rows(raw)
         return raw.float().argmax(dim=-1)
 
     def pack_linears(self) -> None:
