@@ -3,13 +3,15 @@
 kvpool with prefix caching, kvpool without, and transformers' batched `generate` (the code a user
 would otherwise write), on the same prompts and weights: greedy, ignore_eos, every request submitted
 at once. Reports wall time, output and total tokens/s, TTFT mean/p50/p99, prefix hit rate, and the
-ideal TTFT speedup 1/(1 - hit rate). `--workload-out` writes the token ids for
-`../shared/peers/vllm-cpu/run.sh`, so vLLM-CPU runs the very same workload.
+ideal TTFT speedup 1/(1 - hit rate). The kvpool systems' timed runs alternate (see `run`).
+`--workload-out` writes the token ids for `../shared/peers/vllm-cpu/run.sh`, so vLLM-CPU runs the very
+same workload.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -42,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-out", help="write the workload (token ids) as JSON for vllm-cpu/run.sh")
     p.add_argument("--no-warmup", action="store_true",
                    help="no warm-up requests before the timed runs: the first of each system's wall_s_runs is then "
-                        "a fresh engine's first requests (what a user's first request meets)")
+                        "a fresh engine's first requests (what a user's first request meets; for the first system "
+                        "listed, also the process's first)")
     p.add_argument("--json", action="store_true")
 
 
@@ -115,14 +118,6 @@ class KVPoolSession:
         # The first run over the median: with --no-warmup, how much slower a fresh engine's first requests are.
         return {**med, "wall_s_runs": walls, "wall_s_min": min(walls),
                 "first_run_vs_median": walls[0] / med["wall_s"]}, self.tokens
-
-
-def run_kvpool(prompts: list[list[int]], out_len: int, caching: bool, runs: int, engine_kw: dict[str, Any],
-               loras: list[Any] | None = None, warmup: bool = True) -> tuple[dict[str, Any], list[list[int]]]:
-    session = KVPoolSession(prompts, out_len, caching, engine_kw, loras, warmup)
-    for _ in range(runs):
-        session.run()
-    return session.summary()
 
 
 def run_transformers(prompts: list[list[int]], out_len: int, batch: int, dtype: str, model: str | None
@@ -200,6 +195,22 @@ def _lora_engine_kw(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict[st
     return {**engine_kw, "enable_lora": True, "max_loras": a.lora, "max_lora_rank": a.lora_rank}
 
 
+KVPOOL_SYSTEMS = ("kvpool", "kvpool-no-cache", "kvpool-full-attention", "kvpool-lora")
+
+
+def _kvpool_session(name: str, a: argparse.Namespace, prompts: list[list[int]], engine_kw: dict[str, Any],
+                    warm: bool, stack: contextlib.ExitStack) -> KVPoolSession:
+    """The engine of kvpool system `name` (one of KVPOOL_SYSTEMS), built and warmed; `stack` keeps the LoRA
+    adapters' folder alive until the runs are over."""
+    if name == "kvpool-lora":
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-lora-"))
+        return KVPoolSession(prompts, a.output_len, True, _lora_engine_kw(a, engine_kw),
+                             lora_requests(a, engine_kw.get("model"), folder), warmup=warm)
+    if name == "kvpool-full-attention":  # the uniform allocator: sliding layers keep every block
+        engine_kw = {**engine_kw, "hybrid_allocator": False}
+    return KVPoolSession(prompts, a.output_len, name != "kvpool-no-cache", engine_kw, warmup=warm)
+
+
 def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     prompts = generated_shared_prefix(a.groups, a.system_len, a.questions, a.question_len, seed=a.seed,
                                       shared=not a.unique)
@@ -209,39 +220,29 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     systems: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     wanted = [s.strip() for s in a.systems.split(",") if s.strip()]
-    warm = not a.no_warmup
-    paired = "kvpool" in wanted and "kvpool-lora" in wanted
-    if paired:
-        # Compared run for run: the two engines alternate, so a machine whose load drifts weighs on both alike.
-        wanted = [n for n in wanted if n != "kvpool-lora"]
     for name in wanted:
-        if name == "kvpool" and paired:
-            with tempfile.TemporaryDirectory(prefix="kvpool-lora-") as folder:
-                pair = [KVPoolSession(prompts, a.output_len, True, engine_kw, warmup=warm),
-                        KVPoolSession(prompts, a.output_len, True, _lora_engine_kw(a, engine_kw),
-                                      lora_requests(a, engine_kw.get("model"), folder), warmup=warm)]
-                for _ in range(a.runs):
-                    for session in pair:
-                        session.run()
-            systems["kvpool"], outputs["kvpool"] = pair[0].summary()
-            systems["kvpool-lora"], outputs["kvpool-lora"] = pair[1].summary()
-        elif name == "kvpool":
-            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs, engine_kw, warmup=warm)
-        elif name == "kvpool-full-attention":  # the uniform allocator: sliding layers keep every block
-            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs,
-                                                      {**engine_kw, "hybrid_allocator": False}, warmup=warm)
-        elif name == "kvpool-lora":
-            with tempfile.TemporaryDirectory(prefix="kvpool-lora-") as folder:
-                loras = lora_requests(a, engine_kw.get("model"), folder)
-                systems[name], outputs[name] = run_kvpool(prompts, a.output_len, True, a.runs,
-                                                          _lora_engine_kw(a, engine_kw), loras, warmup=warm)
-        elif name == "kvpool-no-cache":
-            systems[name], outputs[name] = run_kvpool(prompts, a.output_len, False, a.runs, engine_kw, warmup=warm)
-        elif name == "transformers":
-            systems[name], outputs[name] = run_transformers(prompts, a.output_len, a.hf_batch_size,
-                                                            engine_kw.get("dtype", "auto"), engine_kw.get("model"))
-        else:
+        if name not in KVPOOL_SYSTEMS and name != "transformers":
             raise ValueError(f"systems: unknown system {name!r}")
+    warm = not a.no_warmup
+    with contextlib.ExitStack() as stack:
+        # Every kvpool system is built (and warmed) first, then their timed runs alternate, the order reversed
+        # every other round (A B, B A, A B): a machine whose speed drifts during the invocation, or the
+        # second engine of a process running slower than the first, weighs on all of them alike. Ran one
+        # system after the other, Gemma-3's two allocators measured 1.02x one way round and 0.91x the other.
+        sessions = {name: _kvpool_session(name, a, prompts, engine_kw, warm, stack)
+                    for name in wanted if name in KVPOOL_SYSTEMS}
+        order = list(sessions.items())
+        for _ in range(a.runs):
+            for _, session in order:
+                session.run()
+            order.reverse()
+        for name, session in sessions.items():
+            systems[name], outputs[name] = session.summary()
+        del sessions, order
+    if "transformers" in wanted:
+        systems["transformers"], outputs["transformers"] = run_transformers(
+            prompts, a.output_len, a.hf_batch_size, engine_kw.get("dtype", "auto"), engine_kw.get("model"))
+    systems = {name: systems[name] for name in wanted}
     hit = systems.get("kvpool", {}).get("hit_rate", 0.0)
     ideal = 1.0 / (1.0 - hit) if hit < 1 else float("inf")
     result: dict[str, Any] = dict(
@@ -266,8 +267,8 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         result["lora_ttft_ratio"] = systems["kvpool-lora"]["ttft_mean_ms"] / systems["kvpool"]["ttft_mean_ms"]
         result["lora_time_ratio_min"] = systems["kvpool-lora"]["wall_s_min"] / systems["kvpool"]["wall_s_min"]
         result["lora_cpu_ratio"] = systems["kvpool-lora"]["cpu_s"] / systems["kvpool"]["cpu_s"]
-        if paired:  # run i of each ran back to back
-            result["lora_time_ratio_runs"] = [b / a for a, b in zip(systems["kvpool"]["wall_s_runs"],
+        # Run i of each ran back to back.
+        result["lora_time_ratio_runs"] = [b / a for a, b in zip(systems["kvpool"]["wall_s_runs"],
                                                                     systems["kvpool-lora"]["wall_s_runs"], strict=True)]
     if "kvpool" in systems and "transformers" in systems:
         result["throughput_vs_transformers"] = (systems["kvpool"]["output_tokens_per_s"]
