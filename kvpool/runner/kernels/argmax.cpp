@@ -33,6 +33,30 @@ int64_t argmax_scalar(const T* x, int64_t n) {
   return best;
 }
 
+// After the vector loop: lanes' (value, first index) pairs, the largest value and among its lanes the lowest
+// index; then the tail [whole, n), whose indices come after every lane's: strictly greater only. A NaN
+// anywhere sends the row to the scalar loop (torch's NaN rule).
+template <typename T>
+int64_t finish_lanes(const float* bv, const int32_t* bi, int lanes, const T* x, int64_t whole, int64_t n) {
+  float m = bv[0];
+  int64_t at = bi[0];
+  for (int l = 1; l < lanes; ++l) {
+    if (bv[l] > m || (bv[l] == m && bi[l] < at)) {
+      m = bv[l];
+      at = bi[l];
+    }
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    const float v = to_float(x[i]);
+    if (std::isnan(v)) return argmax_scalar(x, n);
+    if (v > m) {
+      m = v;
+      at = i;
+    }
+  }
+  return at;
+}
+
 #ifdef KVPOOL_AVX512_BF16
 // Sixteen lanes, each keeping its own first maximum; then the largest value, and among lanes holding it
 // the lowest index. A row with a NaN goes to the scalar loop (torch's NaN rule).
@@ -58,29 +82,12 @@ int64_t argmax_avx512(const Bf16* x, int64_t n) {
   alignas(64) int32_t bi[16];
   _mm512_store_ps(bv, best);
   _mm512_store_si512(bi, idx);
-  float m = bv[0];
-  int64_t at = bi[0];
-  for (int l = 1; l < 16; ++l) {
-    if (bv[l] > m || (bv[l] == m && bi[l] < at)) {
-      m = bv[l];
-      at = bi[l];
-    }
-  }
-  for (int64_t i = whole; i < n; ++i) {  // the tail comes after every lane's indices: strictly greater only
-    const float v = to_float(x[i]);
-    if (std::isnan(v)) return argmax_scalar(x, n);
-    if (v > m) {
-      m = v;
-      at = i;
-    }
-  }
-  return at;
+  return finish_lanes(bv, bi, 16, x, whole, n);
 }
 #endif
 
 #ifdef KVPOOL_AVX2_F32
-// The same in eight lanes (fp32 logits, on AVX2): each lane keeps its own first maximum, then the largest
-// value wins and, among lanes holding it, the lowest index. A row with a NaN goes to the scalar loop.
+// The same in eight lanes, for fp32 logits on AVX2.
 int64_t argmax_avx2(const float* x, int64_t n) {
   const int64_t whole = n - n % 8;
   if (whole == 0) return argmax_scalar(x, n);
@@ -101,22 +108,7 @@ int64_t argmax_avx2(const float* x, int64_t n) {
   alignas(32) int32_t bi[8];
   _mm256_store_ps(bv, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(bi), idx);
-  float m = bv[0];
-  int64_t at = bi[0];
-  for (int l = 1; l < 8; ++l) {
-    if (bv[l] > m || (bv[l] == m && bi[l] < at)) {
-      m = bv[l];
-      at = bi[l];
-    }
-  }
-  for (int64_t i = whole; i < n; ++i) {  // the tail comes after every lane's indices: strictly greater only
-    if (std::isnan(x[i])) return argmax_scalar(x, n);
-    if (x[i] > m) {
-      m = x[i];
-      at = i;
-    }
-  }
-  return at;
+  return finish_lanes(bv, bi, 8, x, whole, n);
 }
 #endif
 
@@ -129,29 +121,25 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const int64_t rows = logits.size(0), n = logits.size(1);
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* op = out.mutable_data_ptr<int64_t>();
-  if (f32) {
-    const float* xp = logits.const_data_ptr<float>();
+  // Each row on the widest vector path this build has for its dtype.
+  const auto rows_by = [&](const auto* xp, auto&& row) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-#ifdef KVPOOL_AVX2_F32
-        op[r] = argmax_avx2(xp + r * n, n);
-#else
-        op[r] = argmax_scalar(xp + r * n, n);
-#endif
-      }
+      for (int64_t r = begin; r < end; ++r) op[r] = row(xp + r * n, n);
     });
-    return out;
-  }
-  const Bf16* xp = logits.const_data_ptr<Bf16>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-#ifdef KVPOOL_AVX512_BF16
-      op[r] = argmax_avx512(xp + r * n, n);
+  };
+  if (f32) {
+#ifdef KVPOOL_AVX2_F32
+    rows_by(logits.const_data_ptr<float>(), argmax_avx2);
 #else
-      op[r] = argmax_scalar(xp + r * n, n);
+    rows_by(logits.const_data_ptr<float>(), argmax_scalar<float>);
 #endif
-    }
-  });
+  } else {
+#ifdef KVPOOL_AVX512_BF16
+    rows_by(logits.const_data_ptr<Bf16>(), argmax_avx512);
+#else
+    rows_by(logits.const_data_ptr<Bf16>(), argmax_scalar<Bf16>);
+#endif
+  }
   return out;
 }
 
