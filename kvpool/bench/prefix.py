@@ -269,7 +269,7 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         result["lora_cpu_ratio"] = systems["kvpool-lora"]["cpu_s"] / systems["kvpool"]["cpu_s"]
         # Run i of each ran back to back.
         result["lora_time_ratio_runs"] = [b / a for a, b in zip(systems["kvpool"]["wall_s_runs"],
-                                                                    systems["kvpool-lora"]["wall_s_runs"], strict=True)]
+                                                                systems["kvpool-lora"]["wall_s_runs"], strict=True)]
     if "kvpool" in systems and "transformers" in systems:
         result["throughput_vs_transformers"] = (systems["kvpool"]["output_tokens_per_s"]
                                                 / systems["transformers"]["output_tokens_per_s"])
