@@ -124,6 +124,10 @@ class KVCacheManager:
         self.external_holders: list[Callable[[], Iterable[KVCacheBlock]]] = []
         self._interval_stats = PrefixCacheStats()
         self._empty = KVCacheBlocks(tuple([] for _ in self.managers))
+        # Each running request's block ids per group, built when asked and dropped whenever its tables may
+        # change (any allocation that is not steady, its release): a decode step's tables are mostly the
+        # last step's. The lists are never mutated after they are built: callers may keep them.
+        self._block_ids: dict[str, tuple[list[int], ...]] = {}
         self.swap_stats = SwapStats()
         self.host: HostTier | None = None
         self.write_through = write_through
@@ -237,6 +241,7 @@ class KVCacheManager:
                         return None
                     new_blocks = self.block_pool.get_new_blocks(n)  # type: ignore[call-arg]
                     table.extend(new_blocks)
+                    self._block_ids.pop(rid, None)
                 if self.enable_caching and num_tokens // self.block_size > m.num_cached_block[rid]:
                     n_hashed = len(request.block_hashes) * self.block_size
                     before = m.num_cached_block[rid]
@@ -245,6 +250,12 @@ class KVCacheManager:
                         self.host.write_through_blocks(0, table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
+        if new_computed_blocks is None and all(m.is_steady(request, num_slots, num_tokens, self.enable_caching)
+                                               for m in managers):
+            # Several groups, a running request whose tables cover the new tokens with nothing to release
+            # or cache (most decode steps): the multi-group hot path.
+            return self._empty_blocks()
+        self._block_ids.pop(rid, None)
         if num_lookahead_tokens and self._has_state_groups:
             raise ValueError("num_lookahead_tokens: Mamba layers cannot hold speculative tokens")
         # Blocks that slid out of a window: released only if the allocation goes ahead (a failed one
@@ -314,6 +325,7 @@ class KVCacheManager:
         empties one group's chain while other groups keep blocks only that chain made useful.
         """
         rid = request if isinstance(request, str) else request.request_id
+        self._block_ids.pop(rid, None)
         if self.num_groups == 1:
             self.managers[0].free(rid)
             return
@@ -364,7 +376,13 @@ class KVCacheManager:
         return KVCacheBlocks(tuple(m.blocks_of(request_id) for m in self.managers))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in m.blocks_of(request_id)] for m in self.managers)
+        """The request's block ids, per group (read-only lists: they are kept for the next steps)."""
+        ids = self._block_ids.get(request_id)
+        if ids is None:
+            ids = tuple(m.block_ids_of(request_id) for m in self.managers)
+            if ids[0]:
+                self._block_ids[request_id] = ids
+        return ids
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks, in every tier; refused (False) while any request holds blocks."""

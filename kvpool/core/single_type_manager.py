@@ -16,7 +16,7 @@ continuation).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool.core.block import BlockHash, KVCacheBlock, group_key
 from kvpool.core.block_pool import AllocationPlan, BlockPool
@@ -59,6 +59,10 @@ class SingleTypeKVCacheManager:
     def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
         """A copy of the request's block table in this group (empty if it holds none)."""
         return list(self.req_to_blocks.get(request_id, ()))
+
+    def block_ids_of(self, request_id: str) -> list[int]:
+        """The ids of the request's block table in this group (empty if it holds none)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def request_ids(self) -> list[str]:
         return list(self.req_to_blocks)
@@ -134,6 +138,16 @@ class SingleTypeKVCacheManager:
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], num_cached, num_full,
                                           self.block_size, self.group_id)
         self.num_cached_block[rid] = num_full
+
+    def is_steady(self, request: CacheRequest, num_slots: int, num_tokens: int, caching: bool) -> bool:
+        """Whether growing the running request to `num_slots` slots (`num_tokens` of them computed after
+        this step), with no new hits, would change nothing here: no block to take, none to release, none
+        to cache. Most decode steps are such; the coordinator then skips the group's allocation calls.
+        False when unsure (the full allocation path is always correct)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None or -(-self.num_slots(request, num_slots) // self.block_size) > len(blocks):
+            return False
+        return not caching or num_tokens // self.block_size <= self.num_cached_block[request.request_id]
 
     def skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Blocks no future token will attend to (none, for full attention), newest first. Pure."""
@@ -212,6 +226,11 @@ class _AnchoredManager(SingleTypeKVCacheManager):
         """`keeps`, for a block of this request (types that retain more per request override it)."""
         return self.keeps(index, boundaries)
 
+    def keeper(self, request_id: str, boundaries: Sequence[int]) -> Callable[[int], bool]:
+        """`keeps_for` of the request at these boundaries, as a test of a table index (a release asks it
+        of every block, so types whose kept blocks form a small set test membership instead)."""
+        return lambda index: self.keeps_for(request_id, index, boundaries)
+
     def release(self, request_id: str, indexed: list[tuple[int, KVCacheBlock]], at_end: int | None) -> None:
         """Free blocks (given oldest first): usable ones to the tail, the rest to the front."""
         bounds = self.anchors.get(request_id, ())
@@ -219,8 +238,9 @@ class _AnchoredManager(SingleTypeKVCacheManager):
             bounds = (*bounds, at_end)
         keep: list[KVCacheBlock] = []
         drop: list[KVCacheBlock] = []
+        keeps = self.keeper(request_id, bounds)
         for i, b in indexed:
-            (keep if self.keeps_for(request_id, i, bounds) else drop).append(b)
+            (keep if keeps(i) else drop).append(b)
         if drop:
             self.block_pool.free_blocks_to_front(drop)
         if keep:
@@ -245,9 +265,10 @@ class _AnchoredManager(SingleTypeKVCacheManager):
         bounds = (*self.anchors.get(request_id, ()), num_full)
         low: list[KVCacheBlock] = []
         keep: list[tuple[int, KVCacheBlock]] = []
+        keeps = self.keeper(request_id, bounds)
         for i, b in enumerate(blocks or ()):
             if not b.is_null:
-                if self.keeps_for(request_id, i, bounds):
+                if keeps(i):
                     keep.append((i, b))
                 else:
                     low.append(b)
@@ -293,6 +314,21 @@ class SlidingWindowManager(_AnchoredManager):
         need = self.spec.window_blocks
         return any(b - need <= index < b for b in boundaries)
 
+    def keeper(self, request_id: str, boundaries: Sequence[int]) -> Callable[[int], bool]:
+        need = self.spec.window_blocks
+        return {i for b in set(boundaries) for i in range(max(0, b - need), b)}.__contains__
+
+    def _first_visible(self, num_computed_tokens: int, num_blocks: int) -> int:
+        # The next token (at position num_computed_tokens) sees positions >= num_computed_tokens - W + 1.
+        return min(max(0, num_computed_tokens - self.spec.sliding_window + 1) // self.block_size, num_blocks)
+
+    def is_steady(self, request: CacheRequest, num_slots: int, num_tokens: int, caching: bool) -> bool:
+        # ... and no block slid out of the window since the last scan.
+        rid = request.request_id
+        return (super().is_steady(request, num_slots, num_tokens, caching)
+                and self._first_visible(request.num_computed_tokens, len(self.req_to_blocks[rid]))
+                <= self._scanned.get(rid, 0))
+
     def skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Blocks out of the window that no later hit is likely to need, newest first. The window before
         an anchor (see the module doc) is held until the request is freed: releasing it early would let
@@ -301,9 +337,7 @@ class SlidingWindowManager(_AnchoredManager):
         null = self.block_pool.null_block
         if not blocks or null is None:
             return []
-        # The next token (at position num_computed_tokens) sees positions >= num_computed_tokens - W + 1.
-        first_visible = min(max(0, num_computed_tokens - self.spec.sliding_window + 1) // self.block_size,
-                            len(blocks))
+        first_visible = self._first_visible(num_computed_tokens, len(blocks))
         self._scan_to[request_id] = first_visible
         bounds = self.anchors.get(request_id, ())
         return [blocks[i] for i in range(first_visible - 1, self._scanned.get(request_id, 0) - 1, -1)
@@ -393,6 +427,9 @@ class MambaManager(_AnchoredManager):
     def keeps(self, index: int, boundaries: Sequence[int]) -> bool:
         return index + 1 in boundaries
 
+    def is_steady(self, request: CacheRequest, num_slots: int, num_tokens: int, caching: bool) -> bool:
+        return False  # its pages move with the state: always the full path
+
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[KVCacheBlock]) -> int:
         blocks = self.req_to_blocks.get(request_id)
@@ -481,6 +518,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
     def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
         """Encoder KV is not prefix-cached."""
+
+    def is_steady(self, request: CacheRequest, num_slots: int, num_tokens: int, caching: bool) -> bool:
+        return super().is_steady(request, num_slots, num_tokens, False)  # nothing of it is ever cached
 
     def free(self, request_id: str) -> None:
         low, _, _ = self.pop_release(request_id)

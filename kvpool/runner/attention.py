@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -159,6 +160,16 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
                                         start if run else None))
 
 
+def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one (len(tables), longest) long tensor, padded with block 0. Filled through numpy:
+    `torch.tensor` of nested lists costs ~0.1 us an element, 3x more (32 tables of 68 blocks: 0.21 ms)."""
+    width = max(map(len, tables))
+    arr = np.zeros((len(tables), width), dtype=np.int64)
+    for row, t in zip(arr, tables, strict=True):
+        row[:len(t)] = t
+    return torch.from_numpy(arr).to(device)
+
+
 def plan_windows(meta: AttentionMetadata, block_size: int) -> None:
     """Sliding-window layers: each sequence reads from the block holding the oldest key its first query
     sees. Older blocks may be the null block already (the window manager released them)."""
@@ -197,9 +208,8 @@ def plan_decode_batch(meta: AttentionMetadata, block_size: int, *, kernel: bool 
         tables.append(s.table()[s.first_block: -(-s.context_len // block_size)])
         lens.append(s.context_len - s.first_block * block_size)
         lows.append(0 if meta.window is None else max(0, lens[-1] - meta.window))
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-    pos = torch.arange(width * block_size, device=dev)
+    padded = padded_tables(tables, dev)
+    pos = torch.arange(padded.shape[1] * block_size, device=dev)
     meta.decode_seqs = idx
     meta.decode_rows = torch.tensor([meta.seqs[i].q_start for i in idx], dtype=torch.long, device=dev)
     meta.decode_tables = padded
@@ -219,9 +229,7 @@ def plan_prefill_batch(meta: AttentionMetadata, *, decode_rows: bool = False) ->
     if not idx:
         return
     dev = meta.slot_mapping.device
-    width = max(len(meta.seqs[i].table()) for i in idx)
-    tables = torch.tensor([meta.seqs[i].table() + [0] * (width - len(meta.seqs[i].table())) for i in idx],
-                          dtype=torch.long, device=dev)
+    tables = padded_tables([meta.seqs[i].table() for i in idx], dev)
     cols = [[meta.seqs[i].q_start, meta.seqs[i].num_queries, meta.seqs[i].context_len] for i in idx]
     starts, lens, ctx = torch.tensor(cols, dtype=torch.long, device=dev).t().contiguous()
     meta.prefill_args = (starts, lens, ctx, tables)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from helpers import make_request, schedule, snapshot
+from helpers import decode, make_request, schedule, snapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.core.block import group_key
 from kvpool.core.kv_cache_manager import KVCacheManager
@@ -104,3 +106,52 @@ def test_out_of_window_blocks_count_as_room_but_a_failed_allocation_keeps_them()
     # repeating this prompt hits there), so it is held until a is freed.
     assert mgr.get_block_ids("a")[0][:5] == [0, 0, 0, 0, 5]
     mgr.check_integrity()
+
+
+def _state(mgr: KVCacheManager, rids: list[str]) -> tuple:
+    """Every group's tables (fresh, not the cached ids), ref counts, the free queue order and the cache map."""
+    pool = mgr.block_pool
+    tables = {rid: tuple([b.block_id for b in m.blocks_of(rid)] for m in mgr.managers) for rid in rids}
+    return (tables, [b.ref_cnt for b in pool.blocks], pool.free_block_ids(),
+            {h: b.block_id for h, b in pool.cached.items()})
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(1, 30), st.integers(1, 24)),
+                        min_size=1, max_size=5),
+       window=st.sampled_from([4, 6, 9]))
+def test_steady_decode_steps_change_nothing_the_full_allocation_would(
+        prompts: list[tuple[int, int, int]], window: int) -> None:
+    """The multi-group hot path (`is_steady`: tables cover the token, nothing slid out of a window,
+    nothing to cache) and the cached block ids decide exactly as the full allocation path: two managers,
+    one with the hot path switched off, stay identical step after step, and `get_block_ids` always
+    equals the tables."""
+    specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=window)]
+    fast, slow = KVCacheManager(60, BS, specs=specs), KVCacheManager(60, BS, specs=specs)
+    for m in slow.managers:
+        m.is_steady = lambda *a: False  # type: ignore[method-assign]
+    steady = 0
+    live: list[str] = []
+    for n, (shared, length, out_len) in enumerate(prompts):
+        tokens = ([7] * 9 if shared else []) + list(range(100 * n, 100 * n + length))
+        reqs = [make_request(f"r{n}", tokens, BS) for _ in range(2)]
+        for mgr, req in zip((fast, slow), reqs, strict=True):
+            assert schedule(mgr, req) is not None
+        live.append(f"r{n}")
+        for t in range(out_len):
+            steady += all(m.is_steady(reqs[0], reqs[0].num_tokens + 1, reqs[0].num_tokens + 1, True)
+                          for m in fast.managers)
+            outs = [decode(mgr, req, t) for mgr, req in zip((fast, slow), reqs, strict=True)]
+            assert outs[0] is not None and outs[1] is not None
+            assert outs[0].get_block_ids() == outs[1].get_block_ids()
+            assert _state(fast, live) == _state(slow, live)
+            assert fast.get_block_ids(f"r{n}") == _state(fast, [f"r{n}"])[0][f"r{n}"]
+        if n % 2:
+            for mgr, req in zip((fast, slow), reqs, strict=True):
+                mgr.free(req)
+            live.remove(f"r{n}")
+            assert fast.get_block_ids(f"r{n}") == ([], [])
+        assert _state(fast, live) == _state(slow, live)
+        fast.check_integrity()
+    # In BS decode steps in a row, a block boundary and a window's move leave at least two steady ones.
+    assert steady >= 2 or max(o for _, _, o in prompts) < BS
