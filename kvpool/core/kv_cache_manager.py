@@ -250,14 +250,14 @@ class KVCacheManager:
                         self.host.write_through_blocks(0, table[before:m.num_cached_block[rid]])
                 return KVCacheBlocks((new_blocks,))
         managers = self.managers
+        if num_lookahead_tokens and self._has_state_groups:
+            raise ValueError("num_lookahead_tokens: Mamba layers cannot hold speculative tokens")
         if new_computed_blocks is None and all(m.is_steady(request, num_slots, num_tokens, self.enable_caching)
                                                for m in managers):
             # Several groups, a running request whose tables cover the new tokens with nothing to release
             # or cache (most decode steps): the multi-group hot path.
             return self._empty_blocks()
         self._block_ids.pop(rid, None)
-        if num_lookahead_tokens and self._has_state_groups:
-            raise ValueError("num_lookahead_tokens: Mamba layers cannot hold speculative tokens")
         # Blocks that slid out of a window: released only if the allocation goes ahead (a failed one
         # changes nothing), but counted as free space when they are this request's alone.
         skipped = [m.skipped_blocks(rid, request.num_computed_tokens) for m in managers]

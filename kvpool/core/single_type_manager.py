@@ -428,7 +428,11 @@ class MambaManager(_AnchoredManager):
         return index + 1 in boundaries
 
     def is_steady(self, request: CacheRequest, num_slots: int, num_tokens: int, caching: bool) -> bool:
-        return False  # its pages move with the state: always the full path
+        # ... and no page it holds is behind the one holding the input state (with retention, retained
+        # states are: the full path sorts them out).
+        held = self.held.get(request.request_id)
+        current = (request.num_computed_tokens - 1) // self.block_size
+        return super().is_steady(request, num_slots, num_tokens, caching) and all(i >= current for i in held or ())
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[KVCacheBlock]) -> int:

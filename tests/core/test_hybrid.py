@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvpool.core.block import group_key
 from kvpool.core.kv_cache_manager import KVCacheManager
-from kvpool.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from kvpool.core.kv_cache_spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 BS = 4
 SW = SlidingWindowSpec(block_size=BS, sliding_window=8)  # a hit needs ceil(7/4) = 2 blocks before it
@@ -119,14 +119,16 @@ def _state(mgr: KVCacheManager, rids: list[str]) -> tuple:
 @settings(max_examples=60, deadline=None)
 @given(prompts=st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(1, 30), st.integers(1, 24)),
                         min_size=1, max_size=5),
-       window=st.sampled_from([4, 6, 9]))
+       window=st.sampled_from([4, 6, 9]), state=st.booleans())
 def test_steady_decode_steps_change_nothing_the_full_allocation_would(
-        prompts: list[tuple[int, int, int]], window: int) -> None:
-    """The multi-group hot path (`is_steady`: tables cover the token, nothing slid out of a window,
-    nothing to cache) and the cached block ids decide exactly as the full allocation path: two managers,
-    one with the hot path switched off, stay identical step after step, and `get_block_ids` always
-    equals the tables."""
+        prompts: list[tuple[int, int, int]], window: int, state: bool) -> None:
+    """The multi-group hot path (`is_steady`: tables cover the token, nothing slid out of a window or
+    behind the state's page, nothing to cache) and the cached block ids decide exactly as the full
+    allocation path: two managers, one with the hot path switched off, stay identical step after step,
+    and `get_block_ids` always equals the tables."""
     specs = [FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=window)]
+    if state:
+        specs.append(MambaSpec(block_size=BS, state_shapes=((2, 3),), state_dtype_bytes=(2,)))
     fast, slow = KVCacheManager(60, BS, specs=specs), KVCacheManager(60, BS, specs=specs)
     for m in slow.managers:
         m.is_steady = lambda *a: False  # type: ignore[method-assign]
@@ -150,8 +152,9 @@ def test_steady_decode_steps_change_nothing_the_full_allocation_would(
             for mgr, req in zip((fast, slow), reqs, strict=True):
                 mgr.free(req)
             live.remove(f"r{n}")
-            assert fast.get_block_ids(f"r{n}") == ([], [])
+            assert fast.get_block_ids(f"r{n}") == tuple([] for _ in specs)
         assert _state(fast, live) == _state(slow, live)
         fast.check_integrity()
-    # In BS decode steps in a row, a block boundary and a window's move leave at least two steady ones.
-    assert steady >= 2 or max(o for _, _, o in prompts) < BS
+    # In BS decode steps in a row, a new block, the window's move and the state's move to the new page
+    # leave at least one steady step.
+    assert steady >= 1 or max(o for _, _, o in prompts) < BS
