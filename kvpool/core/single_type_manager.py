@@ -428,8 +428,8 @@ class MambaManager(_AnchoredManager):
         return index + 1 in boundaries
 
     def is_steady(self, request: CacheRequest, num_slots: int, num_tokens: int, caching: bool) -> bool:
-        # ... and no page it holds is behind the one holding the input state (with retention, retained
-        # states are: the full path sorts them out).
+        # ... and no page it holds is behind the one holding the input state. (A retained state's page
+        # stays behind it, so a request retaining states always takes the full path, which sorts them out.)
         held = self.held.get(request.request_id)
         current = (request.num_computed_tokens - 1) // self.block_size
         return super().is_steady(request, num_slots, num_tokens, caching) and all(i >= current for i in held or ())

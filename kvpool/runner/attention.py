@@ -161,8 +161,9 @@ def plan_cascades(meta: AttentionMetadata, block_size: int, min_tokens: int = MI
 
 
 def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables as one (len(tables), longest) long tensor, padded with block 0. Filled through numpy:
-    `torch.tensor` of nested lists costs ~0.1 us an element, 3x more (32 tables of 68 blocks: 0.21 ms)."""
+    """Block tables as one (len(tables), longest) long tensor, padded with block 0. Filled row by row
+    through numpy: `torch.tensor` of nested lists costs ~0.1 us an element (32 tables of 68 blocks: 0.21 ms,
+    against 0.06-0.13 ms here), and a hybrid model pads one such batch per group every step."""
     width = max(map(len, tables))
     arr = np.zeros((len(tables), width), dtype=np.int64)
     for row, t in zip(arr, tables, strict=True):
