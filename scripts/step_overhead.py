@@ -23,13 +23,15 @@ from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 
 
-def _timed(acc: dict[str, float], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(acc: dict[str, float], calls: dict[str, int], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, adding its time to acc[key] and counting its calls in calls[key]."""
     def wrapper(*args: Any, **kw: Any) -> Any:
         t = time.perf_counter()
         try:
             return fn(*args, **kw)
         finally:
             acc[key] += time.perf_counter() - t
+            calls[key] += 1
     return wrapper
 
 
@@ -44,37 +46,32 @@ def main() -> None:
     a = ap.parse_args()
     prompts = generated_shared_prefix(a.groups, 1024, a.questions, 64, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
-    engines: dict[str, tuple[LLM, dict[str, float]]] = {}
+    engines: dict[str, tuple[LLM, dict[str, float], dict[str, int]]] = {}
     for name, hybrid in (("hybrid", True), ("uniform", False)):
         llm = LLM(model=a.model, kv_cache_memory=a.kv_cache_memory, hybrid_allocator=hybrid)
         llm.generate([p[:64] for p in prompts[:4]], sp, use_tqdm=False)
         acc: dict[str, float] = defaultdict(float)
+        calls: dict[str, int] = defaultdict(int)
         eng = llm.engine
-        eng.scheduler.schedule = _timed(acc, "schedule", eng.scheduler.schedule)
-        eng.scheduler.update_from_output = _timed(acc, "update", eng.scheduler.update_from_output)
-        eng.runner._metadata = _timed(acc, "metadata", eng.runner._metadata)
-        eng.runner.execute = _timed(acc, "execute", eng.runner.execute)  # metadata + forward + sampling
-        eng.step = _timed(acc, "step", eng.step)
-        engines[name] = (llm, acc)
+        eng.scheduler.schedule = _timed(acc, calls, "schedule", eng.scheduler.schedule)
+        eng.scheduler.update_from_output = _timed(acc, calls, "update", eng.scheduler.update_from_output)
+        eng.runner._metadata = _timed(acc, calls, "metadata", eng.runner._metadata)
+        # Swaps + metadata + forward + sampling.
+        eng.runner.execute = _timed(acc, calls, "execute", eng.runner.execute)
+        eng.step = _timed(acc, calls, "step", eng.step)
+        engines[name] = (llm, acc, calls)
     rows = []
     order = list(engines)
     for run in range(a.runs):
         for name in order:
-            llm, acc = engines[name]
+            llm, acc, calls = engines[name]
             acc.clear()
+            calls.clear()
             llm.engine.kv.reset_prefix_cache()
-            steps = [0]
-            step = llm.engine.step
-
-            def counted(step: Callable[[], Any] = step, steps: list[int] = steps) -> Any:
-                steps[0] += 1
-                return step()
-            llm.engine.step = counted  # type: ignore[method-assign]
             t = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             wall = time.perf_counter() - t
-            llm.engine.step = step  # type: ignore[method-assign]
-            n = steps[0]
+            n = calls["step"]
             per_step = {k: 1000 * v / n for k, v in acc.items()}
             per_step["forward"] = per_step["execute"] - per_step["metadata"]
             rows.append(dict(run=run, allocator=name, wall_s=wall, steps=n, ms_per_step=per_step))

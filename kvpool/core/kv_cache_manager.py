@@ -380,7 +380,7 @@ class KVCacheManager:
         ids = self._block_ids.get(request_id)
         if ids is None:
             ids = tuple(m.block_ids_of(request_id) for m in self.managers)
-            if ids[0]:
+            if any(ids):  # a request that holds blocks (free() drops its entry)
                 self._block_ids[request_id] = ids
         return ids
 
