@@ -46,6 +46,8 @@ class TierPool(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
+    def note_release(self, num_output_tokens: int | None) -> None: ...
+
     def take_events(self) -> list[KVCacheEvent]: ...
 
     def check_integrity(self) -> None: ...
@@ -245,6 +247,10 @@ class BlockPool:
         for listener in self.eviction_listeners:
             listener(blk, h)
 
+    def note_release(self, num_output_tokens: int | None) -> None:
+        """The blocks freed next come from a request that generated `num_output_tokens` tokens (None:
+        not known). A pool whose eviction policy learns from traffic passes it on (`on_release`)."""
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
@@ -354,6 +360,10 @@ class DeviceBlockPool(BlockPool):
 
     def _take_free(self, blk: KVCacheBlock) -> None:
         self.policy.remove(blk)
+
+    def note_release(self, num_output_tokens: int | None) -> None:
+        if self._observes:
+            self.policy.on_release(num_output_tokens)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         if self._observes:

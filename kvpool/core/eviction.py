@@ -8,8 +8,8 @@ becomes free holding content no later hit is likely to use (`append_low_n`: a sl
 outside every window that matters; evicted after the empty blocks, before any other cached block), is
 taken back by a prefix hit while free (`remove`), and the pool asks for victims (`popleft_n`).
 Policies that learn from traffic also get the observation hooks (`on_touch`, `on_cached`,
-`on_uncached`); a policy that does not need them sets `observes = False` and the pool
-skips the calls on its hot paths.
+`on_uncached`, and `on_release`: what the manager knows of the request whose blocks come next); a
+policy that does not need them sets `observes = False` and the pool skips the calls on its hot paths.
 
 `LRUPolicy` is the seeds' order (the free queue itself): least recently freed first, the tail of a
 chain before its head, blocks without cached content before any cached block.
@@ -71,6 +71,11 @@ class EvictionPolicy(Protocol):
 
     def on_uncached(self, block: KVCacheBlock) -> None:
         """`block` lost its hash (evicted, or the cache was reset)."""
+        ...
+
+    def on_release(self, num_output_tokens: int | None) -> None:
+        """The blocks released next (until the next call) come from a request that generated
+        `num_output_tokens` tokens before it finished or was preempted (None: not known)."""
         ...
 
 
@@ -142,6 +147,9 @@ class LRUPolicy(FreeBlockQueue):
         pass
 
     def on_uncached(self, block: KVCacheBlock) -> None:
+        pass
+
+    def on_release(self, num_output_tokens: int | None) -> None:
         pass
 
 

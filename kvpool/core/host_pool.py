@@ -106,6 +106,9 @@ class ARCPolicy:
     def on_uncached(self, block: KVCacheBlock) -> None:
         pass
 
+    def on_release(self, num_output_tokens: int | None) -> None:
+        pass
+
     def reset(self) -> None:
         """Forget the history (the cache was reset); the caller re-queues the blocks as empty."""
         self.t1.clear()

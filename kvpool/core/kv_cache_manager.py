@@ -324,8 +324,14 @@ class KVCacheManager:
         needs, and so on. So eviction takes a whole usable prefix at a time from the end, and never
         empties one group's chain while other groups keep blocks only that chain made useful.
         """
-        rid = request if isinstance(request, str) else request.request_id
+        if isinstance(request, str):
+            rid, n_out = request, None
+        else:
+            rid, n_out = request.request_id, request.num_tokens - request.num_prompt_tokens
         self._block_ids.pop(rid, None)
+        # A learning policy may class the blocks by what the request did (a short answer, a tool
+        # call, is often continued by the next request; a long one less often).
+        self.block_pool.note_release(n_out)
         if self.num_groups == 1:
             self.managers[0].free(rid)
             return

@@ -11,13 +11,17 @@
 - `reuse`: GreedyDual whose value is the reuse probability of the block's class, learned online
   (raised to a power, see `ReusePolicy.EXPONENT`). A block's class is what the system saw: whether its
   chain branched off a prefix that had been hit, how many blocks it lies past that branch point, how
-  often it has been hit, and its depth (hit blocks) or the length of the chain it was released with
-  (never-hit blocks). Each cached life of a block is one trial of its class: a success when the block
-  is hit; a failure when it is evicted, turned into a success if its hash is cached again while it
-  is still in a ghost list of evicted hashes (as in ARC: a miss that the eviction caused; the block
-  then counts as one that has been reused). Rates are shrunk toward the coarser class and decay, so
-  the policy follows the traffic it sees (one-off suffixes after a shared document, finished
-  conversations) instead of constants tuned to one trace.
+  often it has been hit, how many tokens the request that released it generated (one bucket per
+  doubling: a request answered in a few tokens, such as an agent's tool call, is often continued by
+  the next request over the same context; a long chat answer less often, or much later), and its
+  depth (hit blocks) or the length of the chain it was released with (never-hit blocks). Each cached
+  life of a block is one trial of its class: a success when the block is hit; a failure when it is
+  evicted, turned into a success if its hash is cached again while it is still in a ghost list of
+  evicted hashes (as in ARC: a miss that the eviction caused; the block then counts as one that has
+  been reused). Rates are shrunk toward the coarser classes (without the depth, then without the
+  output length too) and decay, so the policy follows the traffic it sees (one-off suffixes after a
+  shared document, finished conversations, which answers get continued) instead of constants tuned
+  to one trace.
 
 GreedyDual (Cao and Irani): a released block gets priority `clock + value`, the block with the lowest
 priority is evicted and the clock moves up to it. With equal values this is LRU exactly (ties go to
@@ -103,6 +107,9 @@ class _Slots:
         pass
 
     def on_uncached(self, block: KVCacheBlock) -> None:
+        pass
+
+    def on_release(self, num_output_tokens: int | None) -> None:
         pass
 
 
@@ -322,6 +329,17 @@ class PrefixPolicy(GreedyDualPolicy):
 
 _N_DEPTH = 24  # depth buckets: int(2 * log2(index + 1)), two per doubling, capped
 _N_COARSE = 9  # 3 chain positions x 2 (branched or not), then 3 hit-count buckets
+# Output-length buckets of the request that released a block: 0 not known, then one per doubling of
+# the tokens it generated (1: none, 2: one, 3: 2-3, ... 12: 1024 or more).
+_N_OUT = 13
+_N_MID = _N_COARSE * _N_OUT
+
+
+def _out_bucket(n: int | None) -> int:
+    if n is None:
+        return 0
+    b = n.bit_length() + 1 if n > 0 else 1
+    return b if b < _N_OUT else _N_OUT - 1
 
 
 def _depth_bucket(d: int) -> int:
@@ -363,9 +381,13 @@ class ReusePolicy(GreedyDualPolicy):
         self.chain: list[int] = []  # never-hit blocks: the length of the chain released with them
         self.cls: list[int] = []  # the open trial's class (-1: none)
         self.hash_of: list[BlockHash | None] = []  # the pool clears the hash before `on_uncached`
-        n_fine = _N_COARSE * _N_DEPTH
+        self.out: list[int] = []  # output bucket of the request that last released the block
+        self._out = 0  # ... of the request releasing blocks now (`on_release`)
+        n_fine = _N_MID * _N_DEPTH
         self.pos = [0.0] * n_fine
         self.cnt = [0.0] * n_fine
+        self.pos_m = [0.0] * _N_MID
+        self.cnt_m = [0.0] * _N_MID
         self.pos_c = [0.0] * _N_COARSE
         self.cnt_c = [0.0] * _N_COARSE
         self.pos_g = 0.0
@@ -389,6 +411,7 @@ class ReusePolicy(GreedyDualPolicy):
         self.depth += [0] * extra
         self.chain += [0] * extra
         self.cls += [-1] * extra
+        self.out += [0] * extra
         self.hash_of += [None] * extra
         super()._grow(n)
         self.ghost_cap = self.GHOST_POOLS * n
@@ -399,17 +422,22 @@ class ReusePolicy(GreedyDualPolicy):
         h = self.hits[bid]
         coarse = (6 + _hit_bucket(h) if h
                   else 3 * self.branched[bid] + _dist_bucket(self.dist[bid]))
-        # Hit blocks by their own depth (a conversation's turn); never-hit ones by the length of the
-        # prompt they came with (long documents are reused more often than short one-off prompts).
-        return coarse * _N_DEPTH + _depth_bucket(self.depth[bid] if h else self.chain[bid])
+        # Then by how much the releasing request generated; hit blocks by their own depth (a
+        # conversation's turn), never-hit ones by the length of the prompt they came with (long
+        # documents are reused more often than short one-off prompts).
+        mid = coarse * _N_OUT + self.out[bid]
+        return mid * _N_DEPTH + _depth_bucket(self.depth[bid] if h else self.chain[bid])
 
     def _credit(self, fine: int, success: bool, trial: bool = True) -> None:
         """Count a trial of class `fine` (`trial`), a success (`success`), or both."""
-        coarse = fine // _N_DEPTH
+        mid = fine // _N_DEPTH
+        coarse = mid // _N_OUT
         s = 1.0 if success else 0.0
         t = 1.0 if trial else 0.0
         self.pos[fine] += s
         self.cnt[fine] += t
+        self.pos_m[mid] += s
+        self.cnt_m[mid] += t
         self.pos_c[coarse] += s
         self.cnt_c[coarse] += t
         self.pos_g += s
@@ -422,18 +450,22 @@ class ReusePolicy(GreedyDualPolicy):
             # Exponential forgetting: halve every count (amortized O(1): once per window).
             self.pos = [x * 0.5 for x in self.pos]
             self.cnt = [x * 0.5 for x in self.cnt]
+            self.pos_m = [x * 0.5 for x in self.pos_m]
+            self.cnt_m = [x * 0.5 for x in self.cnt_m]
             self.pos_c = [x * 0.5 for x in self.pos_c]
             self.cnt_c = [x * 0.5 for x in self.cnt_c]
             self.pos_g *= 0.5
             self.cnt_g *= 0.5
 
     def rate(self, fine: int) -> float:
-        """The estimated reuse probability of a class, shrunk toward its coarse class and the mean."""
+        """The estimated reuse probability of a class, shrunk toward its coarser classes and the mean."""
         k = self.PRIOR
         p_g = min(1.0, (self.pos_g + 1.0) / (self.cnt_g + 2.0))
-        c = fine // _N_DEPTH
+        m = fine // _N_DEPTH
+        c = m // _N_OUT
         p_c = min(1.0, (self.pos_c[c] + k * p_g) / (self.cnt_c[c] + k))
-        return min(1.0, (self.pos[fine] + k * p_c) / (self.cnt[fine] + k))
+        p_m = min(1.0, (self.pos_m[m] + k * p_c) / (self.cnt_m[m] + k))
+        return min(1.0, (self.pos[fine] + k * p_m) / (self.cnt[fine] + k))
 
     REFRESH = 16
 
@@ -451,15 +483,21 @@ class ReusePolicy(GreedyDualPolicy):
             self.ensure(blocks)
             # The chain released together: its length is the prompt's (plus output) for the
             # blocks that were never hit; their class is known only now.
-            depth, hits, cls, chain = self.depth, self.hits, self.cls, self.chain
+            # Every block released is classed by what the releasing request generated: its next
+            # trial is about this release.
+            depth, hits, cls, chain, out, o = self.depth, self.hits, self.cls, self.chain, self.out, self._out
             top = max(depth[b.block_id] for b in blocks) + 1
             for b in blocks:
                 bid = b.block_id
                 c = cls[bid]
-                if c == -2 or (c >= 0 and not hits[bid] and chain[bid] != top):
-                    chain[bid] = top
+                if c == -2 or (c >= 0 and ((not hits[bid] and chain[bid] != top) or out[bid] != o)):
+                    chain[bid] = top if not hits[bid] else chain[bid]
+                    out[bid] = o
                     cls[bid] = self._class(bid)
         super().append_n(blocks)
+
+    def on_release(self, num_output_tokens: int | None) -> None:
+        self._out = _out_bucket(num_output_tokens)
 
     def on_touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         if not blocks:

@@ -276,6 +276,9 @@ class TwoLevelBlockPool:
         live = sorted(e for e in self.parked if e[1] == self.version[e[2]])
         return [tuple(t.free_block_ids()) for t in self.types] + [tuple(lp for _, _, lp in live)]
 
+    def note_release(self, num_output_tokens: int | None) -> None:
+        pass  # LRU only: nothing learns from releases
+
     def reset_prefix_cache(self) -> bool:
         if self.num_parked != self.num_usable_blocks:
             return False

@@ -125,6 +125,78 @@ def test_reuse_policy_evicts_a_class_that_is_never_reused_first() -> None:
     assert cached_order.index(short_ids[0]) < min(cached_order.index(i) for i in long_ids[:3])
 
 
+def run_with_output(mgr: KVCacheManager, rid: str, prompt: list[int], output: list[int]) -> list[int]:
+    """Prefill `prompt`, decode `output` one token a step, finish: the request's block ids."""
+    req = CacheRequest(rid, prompt, hasher=BlockHasher(BS))
+    hit, n_hit = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit) is not None
+    req.num_computed_tokens = req.num_tokens
+    for t in output:
+        req.append_output_token_ids(t)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    ids = mgr.get_block_ids(rid)[0]
+    mgr.free(req)
+    mgr.check_integrity()
+    return ids
+
+
+class RecordingPolicy(ReusePolicy):
+    """`reuse`, logging what the pool tells it about releases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, object]] = []
+
+    def on_release(self, num_output_tokens: int | None) -> None:
+        self.log.append(("release", num_output_tokens))
+        super().on_release(num_output_tokens)
+
+    def append_n(self, blocks) -> None:  # type: ignore[no-untyped-def]
+        self.log.append(("append", [b.block_id for b in blocks]))
+        super().append_n(blocks)
+
+
+def test_a_release_tells_the_policy_how_many_tokens_the_request_generated() -> None:
+    pol = RecordingPolicy()
+    mgr = KVCacheManager(12, BS, block_pool=DeviceBlockPool(12, eviction_policy=pol))
+    ids = run_with_output(mgr, "a", list(range(9)), [50, 51, 52])  # 12 tokens: 3 full blocks
+    assert pol.log == [("release", 3), ("append", ids[::-1])]
+    pol.log.clear()
+    req = CacheRequest("b", list(range(100, 108)), hasher=BlockHasher(BS))
+    assert mgr.allocate_slots(req, 8) is not None
+    req.num_computed_tokens = 8
+    mgr.free("b")  # by id: what it generated is not known
+    assert pol.log[0] == ("release", None)
+    assert pol.out[mgr.block_pool.blocks[ids[0]].block_id] == 3  # bucket of 3 tokens: 2-3
+
+
+def test_reuse_policy_learns_which_output_lengths_are_continued() -> None:
+    # Train: requests that answer in one token are continued at once (their prompt comes back), those
+    # that answer in two never are; prompts and cached chains look alike (two full blocks each).
+    # Then a short and a long answer are released, the short one first: LRU would evict the short
+    # one first; reuse keeps it.
+    def trained(policy: str) -> tuple[KVCacheManager, list[int], list[int]]:
+        mgr = KVCacheManager(60, BS, eviction_policy=policy)
+        base = 1000
+        for i in range(40):
+            prompt = list(range(base, base + 9))
+            run_with_output(mgr, f"S{i}", prompt, [7])
+            run_with_output(mgr, f"S{i}c", prompt, [8])  # continued: a hit on the whole prompt
+            run_with_output(mgr, f"L{i}", list(range(base + 500, base + 509)), [1, 2])
+            base += 1000
+        short_ids = run_with_output(mgr, "Sx", list(range(90000, 90009)), [7])
+        long_ids = run_with_output(mgr, "Lx", list(range(95000, 95009)), [1, 2])
+        order = [i for i in mgr.block_pool.free_block_ids() if mgr.block_pool.blocks[i].block_hash is not None]
+        assert len(short_ids) == len(long_ids) == 3  # two full blocks, cached; a partial one, not
+        return mgr, [order.index(i) for i in short_ids[:2]], [order.index(i) for i in long_ids[:2]]
+
+    _, short_pos, long_pos = trained("lru")
+    assert max(short_pos) < min(long_pos)  # LRU: released first, evicted first
+    _, short_pos, long_pos = trained("reuse")
+    assert max(long_pos) < min(short_pos)  # reuse: every block of the long answer goes first
+
+
 def test_schedule_helper_under_every_policy() -> None:
     for policy in policy_names():
         mgr = manager(policy)
