@@ -248,8 +248,9 @@ class BlockPool:
             listener(blk, h)
 
     def note_release(self, num_output_tokens: int | None) -> None:
-        """The blocks freed next come from a request that generated `num_output_tokens` tokens (None:
-        not known). A pool whose eviction policy learns from traffic passes it on (`on_release`)."""
+        """The blocks freed next come from a request that finished after generating `num_output_tokens`
+        tokens (None: not known, or preempted). A pool whose eviction policy learns from traffic
+        passes it on (`on_release`)."""
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""

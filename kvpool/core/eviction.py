@@ -74,8 +74,9 @@ class EvictionPolicy(Protocol):
         ...
 
     def on_release(self, num_output_tokens: int | None) -> None:
-        """The blocks released next (until the next call) come from a request that generated
-        `num_output_tokens` tokens before it finished or was preempted (None: not known)."""
+        """The blocks released next (until the next call) come from a request that finished after
+        generating `num_output_tokens` tokens (None: not known, or a preempted request that will
+        resume)."""
         ...
 
 

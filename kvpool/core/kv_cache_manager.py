@@ -316,8 +316,9 @@ class KVCacheManager:
                 # The copies land before the forward: the device blocks hold the content from now on.
                 m.block_pool.cache_full_blocks(request, table, first, len(table), self.block_size, g)
 
-    def free(self, request: CacheRequest | str) -> None:
-        """Release a request's blocks, tail first. Safe to call for a request holding none.
+    def free(self, request: CacheRequest | str, preempted: bool = False) -> None:
+        """Release a request's blocks, tail first. Safe to call for a request holding none. `preempted`:
+        the request will resume (its blocks' next use is its own), not a finished one.
 
         With several groups, the blocks of all groups are released together, unit by unit: first
         what only the request's last hit point needs (in every group), then what the point before it
@@ -327,10 +328,12 @@ class KVCacheManager:
         if isinstance(request, str):
             rid, n_out = request, None
         else:
-            rid, n_out = request.request_id, request.num_tokens - request.num_prompt_tokens
+            rid = request.request_id
+            n_out = None if preempted else request.num_tokens - request.num_prompt_tokens
         self._block_ids.pop(rid, None)
-        # A learning policy may class the blocks by what the request did (a short answer, a tool
-        # call, is often continued by the next request; a long one less often).
+        # A learning policy may class the blocks by what the finished request generated (a short
+        # answer, a tool call, is often continued by the next request; a long one less often). A
+        # preempted request's partial output says nothing of that: it goes as "not known".
         self.block_pool.note_release(n_out)
         if self.num_groups == 1:
             self.managers[0].free(rid)

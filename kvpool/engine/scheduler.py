@@ -101,7 +101,7 @@ class Scheduler:
         return end - num_computed if end > num_computed else num_new
 
     def _preempt(self, victim: Request) -> None:
-        self.kv.free(victim)
+        self.kv.free(victim, preempted=True)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1

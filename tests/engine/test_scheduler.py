@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.core.block_pool import DeviceBlockPool
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.kv_cache_spec import FullAttentionSpec, MambaSpec
+from kvpool.core.policies import ReusePolicy
 from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler
@@ -83,6 +85,26 @@ def test_preempted_request_resumes_from_its_cached_blocks() -> None:
     # c's 2 full blocks (8 of its 11 tokens) are still cached: only the rest is recomputed.
     assert sched == [("c", 3)]
     assert c.num_computed_tokens == 11 and c.num_output_tokens == 3
+
+
+def test_the_policy_hears_what_a_finished_request_generated_and_nothing_for_a_preempted_one() -> None:
+    releases: list[int | None] = []
+
+    class Recording(ReusePolicy):
+        def on_release(self, num_output_tokens: int | None) -> None:
+            releases.append(num_output_tokens)
+            super().on_release(num_output_tokens)
+
+    kv = KVCacheManager(7, BS, block_pool=DeviceBlockPool(7, eviction_policy=Recording()))
+    s = Scheduler(kv, max_num_batched_tokens=100)
+    s.add_request(req("a", 8, max_tokens=2))
+    s.add_request(req("c", 9, max_tokens=20, start=200))
+    fake_step(s)
+    fake_step(s)  # a finishes after 2 tokens
+    assert releases == [2]
+    s._preempt(s.running.pop())  # c, 2 tokens in: it will resume
+    assert releases == [2, None]
+    kv.check_integrity()
 
 
 def test_abort_frees_blocks_waiting_or_running() -> None:
