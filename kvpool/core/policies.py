@@ -482,16 +482,17 @@ class ReusePolicy(GreedyDualPolicy):
         if blocks:
             self.ensure(blocks)
             # The chain released together: its length is the prompt's (plus output) for the
-            # blocks that were never hit; their class is known only now.
-            # Every block released is classed by what the releasing request generated: its next
-            # trial is about this release.
+            # blocks that were never hit, whose class is known only now. And every block released
+            # is classed by what the releasing request generated: its next trial is about this
+            # release.
             depth, hits, cls, chain, out, o = self.depth, self.hits, self.cls, self.chain, self.out, self._out
             top = max(depth[b.block_id] for b in blocks) + 1
             for b in blocks:
                 bid = b.block_id
                 c = cls[bid]
                 if c == -2 or (c >= 0 and ((not hits[bid] and chain[bid] != top) or out[bid] != o)):
-                    chain[bid] = top if not hits[bid] else chain[bid]
+                    if not hits[bid]:
+                        chain[bid] = top
                     out[bid] = o
                     cls[bid] = self._class(bid)
         super().append_n(blocks)
