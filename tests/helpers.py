@@ -4,6 +4,7 @@ helpers from here, never from a conftest, since every test folder may have its o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -53,15 +54,22 @@ def snapshot(mgr: KVCacheManager) -> tuple:
             None if mgr.host is None else (list(mgr.host._pinned), list(mgr.host._next_pinned)))
 
 
-def run_request(mgr: KVCacheManager, rid: str, tokens: list[int], block_size: int) -> tuple[list[int], int]:
-    """Admit, compute and finish a request in one go (checking the pool after): the ids of its blocks
-    and its hit tokens."""
+def run_request(mgr: KVCacheManager, rid: str, tokens: list[int], block_size: int,
+                output: Sequence[int] = ()) -> tuple[list[int], int]:
+    """Admit, compute and finish a request in one go, decoding `output` one token a step first
+    (checking the pool after): the ids of its blocks and its hit tokens."""
     req = CacheRequest(rid, tokens, hasher=BlockHasher(block_size))
     hit, n_hit = mgr.get_computed_blocks(req)
     out = mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit)
     assert out is not None
     req.num_computed_tokens = req.num_tokens
     ids = [b.block_id for b in out.blocks[0]]
+    for t in output:
+        req.append_output_token_ids(t)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    if output:
+        ids = mgr.get_block_ids(rid)[0]
     mgr.free(req)
     mgr.check_integrity()  # the policy's own invariants too
     return ids, n_hit

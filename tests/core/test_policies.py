@@ -127,18 +127,7 @@ def test_reuse_policy_evicts_a_class_that_is_never_reused_first() -> None:
 
 def run_with_output(mgr: KVCacheManager, rid: str, prompt: list[int], output: list[int]) -> list[int]:
     """Prefill `prompt`, decode `output` one token a step, finish: the request's block ids."""
-    req = CacheRequest(rid, prompt, hasher=BlockHasher(BS))
-    hit, n_hit = mgr.get_computed_blocks(req)
-    assert mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit) is not None
-    req.num_computed_tokens = req.num_tokens
-    for t in output:
-        req.append_output_token_ids(t)
-        assert mgr.allocate_slots(req, 1) is not None
-        req.num_computed_tokens += 1
-    ids = mgr.get_block_ids(rid)[0]
-    mgr.free(req)
-    mgr.check_integrity()
-    return ids
+    return run_request(mgr, rid, prompt, BS, output)[0]
 
 
 class RecordingPolicy(ReusePolicy):
