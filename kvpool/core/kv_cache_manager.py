@@ -329,7 +329,7 @@ class KVCacheManager:
             rid, n_out = request, None
         else:
             rid = request.request_id
-            n_out = None if preempted else request.num_tokens - request.num_prompt_tokens
+            n_out = None if preempted else request.num_output_tokens
         self._block_ids.pop(rid, None)
         # A learning policy may class the blocks by what the finished request generated (a short
         # answer, a tool call, is often continued by the next request; a long one less often). A

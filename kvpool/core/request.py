@@ -91,6 +91,10 @@ class CacheRequest:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         if isinstance(token_ids, int):
             self.all_token_ids.append(token_ids)

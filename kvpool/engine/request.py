@@ -78,10 +78,6 @@ class Request(CacheRequest):
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
-
     def check_stop_token(self) -> bool:
         """After a token is appended: finished by a stop token or the length limit?"""
         last = self.all_token_ids[-1]

@@ -157,7 +157,7 @@ def test_a_release_tells_the_policy_how_many_tokens_the_request_generated() -> N
     req.num_computed_tokens = 8
     mgr.free("b")  # by id: what it generated is not known
     assert pol.log[0] == ("release", None)
-    assert pol.out[mgr.block_pool.blocks[ids[0]].block_id] == 3  # bucket of 3 tokens: 2-3
+    assert pol.out[ids[0]] == 3  # bucket of 3 tokens: 2-3
 
 
 def test_reuse_policy_learns_which_output_lengths_are_continued() -> None:
@@ -165,7 +165,7 @@ def test_reuse_policy_learns_which_output_lengths_are_continued() -> None:
     # that answer in two never are; prompts and cached chains look alike (two full blocks each).
     # Then a short and a long answer are released, the short one first: LRU would evict the short
     # one first; reuse keeps it.
-    def trained(policy: str) -> tuple[KVCacheManager, list[int], list[int]]:
+    def trained(policy: str) -> tuple[list[int], list[int]]:
         mgr = KVCacheManager(60, BS, eviction_policy=policy)
         base = 1000
         for i in range(40):
@@ -178,11 +178,11 @@ def test_reuse_policy_learns_which_output_lengths_are_continued() -> None:
         long_ids = run_with_output(mgr, "Lx", list(range(95000, 95009)), [1, 2])
         order = [i for i in mgr.block_pool.free_block_ids() if mgr.block_pool.blocks[i].block_hash is not None]
         assert len(short_ids) == len(long_ids) == 3  # two full blocks, cached; a partial one, not
-        return mgr, [order.index(i) for i in short_ids[:2]], [order.index(i) for i in long_ids[:2]]
+        return [order.index(i) for i in short_ids[:2]], [order.index(i) for i in long_ids[:2]]
 
-    _, short_pos, long_pos = trained("lru")
+    short_pos, long_pos = trained("lru")
     assert max(short_pos) < min(long_pos)  # LRU: released first, evicted first
-    _, short_pos, long_pos = trained("reuse")
+    short_pos, long_pos = trained("reuse")
     assert max(long_pos) < min(short_pos)  # reuse: every block of the long answer goes first
 
 
