@@ -299,8 +299,29 @@ def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     `bias` is an additive mask over the folded rows (group * n, L), as `plan_masks` builds it."""
     n = q.shape[0]
     qf = _fold(q, k.shape[0])
-    o, lse = _flash(qf, k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)[:2]
+    if qf.device.type == "cpu":
+        o, lse = _flash(qf, k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)[:2]
+    else:
+        o, lse = attention_lse_math(qf, k, v, scale, bias)
     return _unfold(o, n), _unfold(lse, n)
+
+
+def attention_lse_math(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Folded queries (1, kv_heads, rows, d) over keys (kv_heads, L, d), by the definition, in fp32: outputs
+    (1, kv_heads, rows, d) in the queries' dtype and LSE (1, kv_heads, rows) fp32.
+
+    The path of devices other than the CPU, whose flash op with an LSE (`_flash`) is CPU-only; the public
+    SDPA returns no LSE, and the cascade's merge needs it. A row that every key is masked from gets a zero
+    output and an LSE of -inf, so a merge gives it no weight. (Null blocks are never passed in: the planner
+    gathers a window's keys from its first block on.)"""
+    s = torch.matmul(qf[0].float(), k.float().transpose(-1, -2)) * scale  # (kv_heads, rows, L)
+    if bias is not None:
+        s = s + bias.float()
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    o = torch.matmul(p, v.float()).to(qf.dtype)
+    return o[None], lse[None]
 
 
 def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor

@@ -142,6 +142,11 @@ class ModelRunner:
             if getattr(self.model.arch, "layer_state_shapes", None) is not None:
                 raise ValueError("batch_invariant: models with state layers are not supported in this mode")
             make_batch_invariant(self.model, self.dtype)
+            if self.device.type != "cpu":
+                # The padding answers the CPU BLAS's choice of kernel by row count; a GPU's BLAS chooses
+                # by other rules, so outputs may differ in their last bits (tokens rarely).
+                log.warning("batch_invariant: bit-identical outputs are shown on the CPU only, not on %s",
+                            self.device.type)
         arch = self.model.arch
         self.arch = arch
         # The compiled decode kernel covers these shapes (see decode_attention.cpp); the torch path the rest.
@@ -405,9 +410,15 @@ class ModelRunner:
         if plan.swap_out:
             d_ids = torch.tensor([d for d, _ in plan.swap_out], dtype=torch.long, device=dev)
             h_ids = torch.tensor([h for _, h in plan.swap_out], dtype=torch.long)
-            for (dk, dv), (hk, hv) in zip(self.kv_tensors, self.host_kv_caches, strict=True):
-                hk.index_copy_(1, h_ids, dk.index_select(1, d_ids).to("cpu", non_blocking=True))
-                hv.index_copy_(1, h_ids, dv.index_select(1, d_ids).to("cpu", non_blocking=True))
+            # Every layer's blocks start their way to the host at once; the host may read them only once
+            # the copies are done (an asynchronous copy returns before its bytes land).
+            staged = [(dk.index_select(1, d_ids).to("cpu", non_blocking=True),
+                       dv.index_select(1, d_ids).to("cpu", non_blocking=True)) for dk, dv in self.kv_tensors]
+            if dev.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            for (hk, hv), (sk, sv) in zip(self.host_kv_caches, staged, strict=True):
+                hk.index_copy_(1, h_ids, sk)
+                hv.index_copy_(1, h_ids, sv)
         self._copy_pages(plan.typed_out, to_host=True)
         if plan.swap_in:
             h_ids = torch.tensor([h for h, _ in plan.swap_in], dtype=torch.long)

@@ -231,7 +231,7 @@ def test_ff_width_and_bad_configs(lfm2_dir: Path) -> None:
 
 def test_bf16_packed_runs(lfm2_dir: Path) -> None:
     """bf16 on the CPU packs every projection (oneDNN) where it can; the model still generates."""
-    llm = LLM(str(lfm2_dir), dtype="bfloat16", skip_tokenizer_init=True, block_size=BS, num_blocks=100)
+    llm = LLM(str(lfm2_dir), device="cpu", dtype="bfloat16", skip_tokenizer_init=True, block_size=BS, num_blocks=100)
     model = llm.engine.runner.model
     if can_pack(torch.bfloat16, torch.device("cpu")):
         assert isinstance(model.layers[0].conv.in_proj, PackedLinear)

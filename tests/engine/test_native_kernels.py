@@ -5,6 +5,7 @@ Exactness is proven elsewhere: fp32 greedy tokens equal transformers' with the d
 (test_reference, test_consistency), and each kernel matches a float64 reference (tests/runner). In bf16
 two correct attention kernels round differently (bf16 logits near 25 are spaced 0.125 apart), so a
 near-tie may go either way; a wrong mask or a misread block would diverge where the choice is clear.
+The kernels are the CPU's, so every engine here runs on the CPU, also where a GPU is present.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_bf16_kernels_on_and_off_differ_only_at_near_ties(smol_dir: Path) -> Non
 
     texts = {}
     for native in (True, False):
-        llm = LLM(str(smol_dir), dtype="bfloat16", kv_cache_memory="64MiB", native_kernels=native,
+        llm = LLM(str(smol_dir), device="cpu", dtype="bfloat16", kv_cache_memory="64MiB", native_kernels=native,
                   max_num_batched_tokens=256)  # chunked: later chunks attend to cached context
         runner = llm.engine.runner
         assert runner.decode_kernel is native
@@ -69,7 +70,7 @@ def test_tokens_identical_with_caching_and_chunking(smol_dir: Path, dtype: str) 
         pytest.skip(f"this CPU runs no {dtype} prefill kernel: its attention runs on torch ops, which split by length")
     results = []
     for caching, budget in ((True, 2048), (False, 2048), (True, 96)):
-        llm = LLM(str(smol_dir), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=caching,
+        llm = LLM(str(smol_dir), device="cpu", dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=caching,
                   max_num_batched_tokens=budget)
         assert llm.engine.runner.prefill_kernel
         prompts = [llm.engine.apply_chat_template([{"role": "system", "content": SYSTEM},
@@ -87,14 +88,14 @@ def test_packed_blocks_round_trip_through_the_host_tier(smol_dir: Path, dtype: s
     if not kernels.prefill_supported(64, 16, getattr(torch, dtype)):
         pytest.skip(f"this CPU runs no {dtype} prefill kernel: no packed layout here")
     sp = SamplingParams.greedy(8)
-    ref = LLM(str(smol_dir), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    ref = LLM(str(smol_dir), device="cpu", dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
     systems = [SYSTEM, SYSTEM.upper()]
     # Two system prompts, interleaved: with 24 device blocks, each one's blocks are sheltered on the host
     # while the other runs, and its next question hits them there.
     prompts = [ref.engine.apply_chat_template([{"role": "system", "content": systems[i % 2]},
                                                {"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS[:4])]
     want = [ref.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
-    llm = LLM(str(smol_dir), dtype=dtype, num_blocks=24, swap_space="16MiB")
+    llm = LLM(str(smol_dir), device="cpu", dtype=dtype, num_blocks=24, swap_space="16MiB")
     assert llm.engine.runner.kv_layout == {"bfloat16": "packed16", "float32": "packed8"}[dtype]
     outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
     assert [o.token_ids for o in outs] == want

@@ -1,6 +1,7 @@
 """The two-stage pipeline gives the talker the same inputs, bit for bit, and so the same codes, with the
 thinker's prefix caching (and so its stage-output cache) on or off: across shared-prefix requests,
-chunked prefill, a pool small enough to evict and preempt, and the host tier. Tiny random models."""
+chunked prefill, a pool small enough to evict and preempt, and the host tier. Tiny random models, on the
+CPU: bit-identity rests on its BLAS (kvpool.runner.invariant)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def run(thinker: Path, talker: Path, caching: bool, on_thinker: Callable[[LLMEng
         dtype: str = "float32", **thinker_engine: object) -> tuple[list[OmniOutput], Pipeline]:
     p = reference_pipeline(str(thinker), str(talker), enable_prefix_caching=caching, thinker_tokens=6,
                            talker_tokens=5, layer=0,
-                           thinker_engine=dict(skip_tokenizer_init=True, block_size=4, dtype=dtype,
+                           thinker_engine=dict(skip_tokenizer_init=True, block_size=4, dtype=dtype, device="cpu",
                                                **{"num_blocks": 128, **thinker_engine}),
-                           talker_engine=dict(block_size=4, num_blocks=128, dtype=dtype))
+                           talker_engine=dict(block_size=4, num_blocks=128, dtype=dtype, device="cpu"))
     if on_thinker is not None:
         on_thinker(p.stages[0].engine)
     ps = prompts()

@@ -191,3 +191,37 @@ def test_batch_invariant_backend_equals_dense() -> None:
         k_all, v_all = kc.view(HKV, -1, D)[:, flat].transpose(0, 1), vc.view(HKV, -1, D)[:, flat].transpose(0, 1)
         want = dense(torch.cat(qs)[m.q_start:m.q_end], k_all, v_all, start)
         torch.testing.assert_close(got[m.q_start:m.q_end], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", [*sorted(CASES), *(f"window: {c}" for c in sorted(WINDOW_CASES))])
+def test_the_portable_path_of_other_devices_matches_dense_attention(monkeypatch: pytest.MonkeyPatch,
+                                                                   case: str) -> None:
+    """What a GPU runs in place of the CPU-only flash op (cascade merges, masks and windows whose null
+    blocks hold NaN included), run here."""
+    from kvpool.runner import attention
+
+    calls = []
+
+    def portable(qf, k, v, dropout, causal, attn_mask=None, scale=None):
+        calls.append(attn_mask is not None)
+        return attention.attention_lse_math(qf, k[0], v[0], scale, attn_mask)
+
+    monkeypatch.setattr(attention, "_flash", portable)
+    window = case.startswith("window: ")
+    seqs = WINDOW_CASES[case.removeprefix("window: ")] if window else CASES[case]
+    out, ref, _ = run_step(seqs, True, window=6 if window else None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # Chunks reach the flash op (decode rows outside a cascade take plain torch ops, `_decode_suffix`).
+    assert calls or all(n == 1 for _, _, n in seqs)
+    assert not window or all(calls), "a window's chunk must be masked"
+
+
+def test_the_portable_path_gives_a_fully_masked_row_no_weight() -> None:
+    from kvpool.runner.attention import attention_lse_math
+
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    bias = torch.zeros(3, 5)
+    bias[1] = float("-inf")
+    o, lse = attention_lse_math(q, k, v, 0.5, bias)
+    assert torch.equal(o[0, :, 1], torch.zeros(2, 8)) and bool((lse[0, :, 1] == float("-inf")).all())
+    assert torch.isfinite(o).all() and torch.isfinite(lse[0, :, [0, 2]]).all()
