@@ -69,7 +69,7 @@ def test_cascade_attention_on_and_off(tiny_llama_dir: Path, expected: list[list[
 
 @pytest.mark.parametrize("native", [True, False])
 def test_decode_kernel_on_and_off(tiny_llama_dir: Path, expected: list[list[int]], native: bool) -> None:
-    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), native_kernels=native)
+    got, llm = run(tiny_llama_dir, shared_prefix_prompts(), native_kernels=native, device="cpu")  # CPU kernels
     assert llm.engine.runner.decode_kernel is native  # the kernel builds here: CI must not skip it silently
     assert got == expected
 
