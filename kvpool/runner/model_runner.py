@@ -119,12 +119,17 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: 
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
-                 enable_cascade: bool = True, hybrid: bool = True, stage_outputs: bool = False,
+                 enable_cascade: bool | None = None, hybrid: bool = True, stage_outputs: bool = False,
                  stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
                  batch_invariant: bool = False, native_kernels: bool = True) -> None:
-        self.enable_cascade = enable_cascade
         self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
         self.device = torch.device(device) if device else default_device()
+        # Cascades (None: on the CPU only) read a shared prefix's keys once per group instead of once per
+        # member, which is what bounds a CPU's decode; but they split a step's attention into several
+        # small calls per group (a 64-row decode step of SmolLM2 in 8 groups: 26,844 torch ops against
+        # 7,787 without), and on a GPU, where each op is a kernel launch and memory is fast, the cached
+        # run took twice as long as the uncached one (docs/benchmarks.md, session 16).
+        self.enable_cascade = self.device.type == "cpu" if enable_cascade is None else enable_cascade
         self.dtype = resolve_dtype(dtype, self.device)
         if batch_invariant and self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"batch_invariant: needs dtype float32 or bfloat16, got {dtype!r}")
@@ -164,7 +169,7 @@ class ModelRunner:
         self.attn_backend = select_backend(block_size=block_size, dtype=self.dtype,
                                            group_heads=arch.num_heads // arch.num_kv_heads,
                                            batch_invariant=batch_invariant, decode_kernel=self.decode_kernel,
-                                           prefill_kernel=self.prefill_kernel, cascade=enable_cascade,
+                                           prefill_kernel=self.prefill_kernel, cascade=self.enable_cascade,
                                            packed=self.packed_kv)
         # Fused norm, rotary and SiLU-and-multiply (bf16 and fp32): modules with a `fused` slot use them when set.
         self.fused_ops = self.decode_kernel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -164,6 +166,17 @@ def test_backends_are_chosen_once_from_what_the_runner_allows() -> None:
         b = select_backend(batch_invariant=False, decode_kernel=True, prefill_kernel=False, **kw)
         assert isinstance(b, CpuKernelBackend) and not b.prefill
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU here"))])
+def test_cascades_are_on_by_default_on_the_cpu_only(tiny_llama_dir: Path, device: str) -> None:
+    from kvpool.runner.model_runner import ModelRunner
+
+    r = ModelRunner(tiny_llama_dir, dtype="float32", block_size=BS, num_blocks=8, device=device)
+    assert r.enable_cascade is (device == "cpu") and r.attn_backend.cascade is r.enable_cascade
+    forced = ModelRunner(tiny_llama_dir, dtype="float32", block_size=BS, num_blocks=8, device=device,
+                         enable_cascade=device != "cpu")
+    assert forced.attn_backend.cascade is (device != "cpu")
 
 def test_batch_invariant_backend_equals_dense() -> None:
     seqs = CASES["mixed, with an unrelated fresh prefill"]
