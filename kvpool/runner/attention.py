@@ -16,7 +16,9 @@ multi-token chunks in bf16. They read every key in place through the block table
 serve need no cascade, gather or mask; in bf16, decode rows of sequences sharing a prefix still read
 its keys once for the whole group. The torch code here remains the path for everything else (fp16,
 other head sizes, batch-invariant mode, machines without a compiler) and the reference the kernels
-are tested against.
+are tested against. Off the CPU (a GPU) the CPU's flash op with its log-sum-exp does not exist: a chunk
+outside any cascade goes through the public SDPA with its mask, and a cascade's partials through
+`attention_lse_math` (cascades are off by default there: see ModelRunner).
 
 Which of these paths a step takes is the runner's choice, made once at start: an attention backend
 (kvpool.runner.attention_backends) plans each step's metadata and runs the attention of every layer
@@ -292,6 +294,11 @@ def _unfold(o: torch.Tensor, n: int) -> torch.Tensor:
     return o.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
 
 
+def _off_cpu(t: torch.Tensor) -> bool:
+    """Whether `t` lives where `_flash`, a CPU-only op, cannot run (a test forces the other devices' paths)."""
+    return t.device.type != "cpu"
+
+
 def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries (n, heads, d) over keys (kv_heads, L, d): outputs (n, heads, d) and LSE (n, heads).
@@ -299,10 +306,10 @@ def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     `bias` is an additive mask over the folded rows (group * n, L), as `plan_masks` builds it."""
     n = q.shape[0]
     qf = _fold(q, k.shape[0])
-    if qf.device.type == "cpu":
-        o, lse = _flash(qf, k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)[:2]
-    else:
+    if _off_cpu(qf):
         o, lse = attention_lse_math(qf, k, v, scale, bias)
+    else:
+        o, lse = _flash(qf, k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)[:2]
     return _unfold(o, n), _unfold(lse, n)
 
 
@@ -398,12 +405,24 @@ def torch_chunk_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         kk = gather_blocks(k_cache, s.blocks()[first:])[:, :n_keys]
         vv = gather_blocks(v_cache, s.blocks()[first:])[:, :n_keys]
         assert s.bias is not None, "plan_masks must run once per step before the forward"
-        o, l_ = _flash_lse(qs, kk, vv, scale, s.bias)
         if acc is not None and lse is not None and s.prefix_len:
+            o, l_ = _flash_lse(qs, kk, vv, scale, s.bias)
             acc[s.q_start:s.q_end] = o.float()
             lse[s.q_start:s.q_end] = l_
+        elif _off_cpu(qs):
+            out[s.q_start:s.q_end] = masked_chunk_attention(qs, kk, vv, scale, s.bias[:ql])  # unrepeated rows
         else:
-            out[s.q_start:s.q_end] = o
+            out[s.q_start:s.q_end] = _flash_lse(qs, kk, vv, scale, s.bias)[0]
+
+
+def masked_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           bias: torch.Tensor) -> torch.Tensor:
+    """Queries (n, heads, d) over keys (kv_heads, L, d) under an additive bias (n, L), through the public
+    SDPA: what a chunk outside any cascade needs off the CPU, where SDPA has fused masked kernels and no
+    (n x L) fp32 scores need materializing (a 2,048-token chunk over 32K keys: 2.4 GB per layer)."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=bias.to(q.dtype),
+                                       scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def merge_cascades(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

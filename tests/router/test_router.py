@@ -94,6 +94,14 @@ def test_hot_prefix_is_spread(cluster: tuple[RouterHandle, list[ServerHandle]]) 
 
 def test_metrics_and_bad_input(cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
     front, reps = cluster
+    # One request straight to each replica: their events reach the router whoever sent the request, so this
+    # test does not depend on the ones before it (pytest -n may give it a cluster of its own).
+    for h in reps:
+        assert chat(h.url, [{"role": "user", "content": SYSTEM + "metrics"}]).status_code == 200
+    deadline = time.monotonic() + 5.0
+    while front.router._checked_hash != {h.url for h in reps}:
+        assert time.monotonic() < deadline, "events did not reach the router"
+        time.sleep(0.02)
     assert metric(front.url, "kvpool_router:replica_healthy") == 2
     assert metric(front.url, "kvpool_router:event_batches_total") >= 1
     assert metric(front.url, "kvpool_router:hash_mismatches_total") == 0

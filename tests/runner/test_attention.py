@@ -209,24 +209,38 @@ def test_batch_invariant_backend_equals_dense() -> None:
 @pytest.mark.parametrize("case", [*sorted(CASES), *(f"window: {c}" for c in sorted(WINDOW_CASES))])
 def test_the_portable_path_of_other_devices_matches_dense_attention(monkeypatch: pytest.MonkeyPatch,
                                                                    case: str) -> None:
-    """What a GPU runs in place of the CPU-only flash op (cascade merges, masks and windows whose null
-    blocks hold NaN included), run here."""
+    """What a GPU runs where the CPU calls its CPU-only flash op (cascade prefixes and suffixes through
+    `attention_lse_math`, other chunks through `masked_chunk_attention`; windows whose null blocks hold
+    NaN included), run here, with and without cascades."""
     from kvpool.runner import attention
 
-    calls = []
+    calls: list[str] = []
 
-    def portable(qf, k, v, dropout, causal, attn_mask=None, scale=None):
-        calls.append(attn_mask is not None)
-        return attention.attention_lse_math(qf, k[0], v[0], scale, attn_mask)
+    def no_flash(*args, **kw):
+        raise AssertionError("the CPU-only flash op was called off the CPU")
 
-    monkeypatch.setattr(attention, "_flash", portable)
+    def spy(name):
+        real = getattr(attention, name)
+
+        def wrapped(*args, **kw):
+            calls.append(name)
+            return real(*args, **kw)
+        return wrapped
+
+    monkeypatch.setattr(attention, "_off_cpu", lambda t: True)
+    monkeypatch.setattr(attention, "_flash", no_flash)
+    for name in ("attention_lse_math", "masked_chunk_attention"):
+        monkeypatch.setattr(attention, name, spy(name))
     window = case.startswith("window: ")
     seqs = WINDOW_CASES[case.removeprefix("window: ")] if window else CASES[case]
-    out, ref, _ = run_step(seqs, True, window=6 if window else None)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    # Chunks reach the flash op (decode rows outside a cascade take plain torch ops, `_decode_suffix`).
-    assert calls or all(n == 1 for _, _, n in seqs)
-    assert not window or all(calls), "a window's chunk must be masked"
+    for cascade in (True, False):
+        out, ref, meta = run_step(seqs, cascade, window=6 if window else None)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        if not cascade and any(n > 1 for _, _, n in seqs) and any(s.context_len > s.num_queries
+                                                                for s in meta.seqs if s.num_queries > 1):
+            assert "masked_chunk_attention" in calls  # a chunk over cached keys, outside any cascade
+        if cascade and meta.groups:
+            assert "attention_lse_math" in calls
 
 
 def test_the_portable_path_gives_a_fully_masked_row_no_weight() -> None:
@@ -238,3 +252,20 @@ def test_the_portable_path_gives_a_fully_masked_row_no_weight() -> None:
     o, lse = attention_lse_math(q, k, v, 0.5, bias)
     assert torch.equal(o[0, :, 1], torch.zeros(2, 8)) and bool((lse[0, :, 1] == float("-inf")).all())
     assert torch.isfinite(o).all() and torch.isfinite(lse[0, :, [0, 2]]).all()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_chunk_outside_cascades_off_the_cpu_equals_the_cpu_path(window: int | None) -> None:
+    """`masked_chunk_attention` (public SDPA, the unrepeated bias) against the CPU's flash op over the
+    bias repeated for the folded query heads: same rows, same heads."""
+    from kvpool.runner.attention import _flash_lse, masked_chunk_attention
+
+    torch.manual_seed(0)
+    n, ctx = 6, 17  # 6 queries at positions 11..16 over 17 keys
+    q, k, v = torch.randn(n, H, D), torch.randn(HKV, ctx, D), torch.randn(HKV, ctx, D)
+    qi = torch.arange(ctx - n, ctx)[:, None]
+    kj = torch.arange(ctx)[None, :]
+    hidden = (kj > qi) | ((kj <= qi - window) if window else torch.zeros_like(kj > qi))
+    bias = torch.zeros(n, ctx).masked_fill_(hidden, float("-inf"))
+    want = _flash_lse(q, k, v, D ** -0.5, bias.repeat(H // HKV, 1))[0]
+    torch.testing.assert_close(masked_chunk_attention(q, k, v, D ** -0.5, bias), want, rtol=1e-5, atol=1e-5)
