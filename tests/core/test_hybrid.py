@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from helpers import decode, make_request, schedule, snapshot
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpool.core.block import group_key
@@ -120,6 +120,8 @@ def _state(mgr: KVCacheManager, rids: list[str]) -> tuple:
 @given(prompts=st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(1, 30), st.integers(1, 24)),
                         min_size=1, max_size=5),
        window=st.sampled_from([4, 6, 9]), state=st.booleans())
+@example(prompts=[(1, 1, 4)], window=4, state=True)  # no steady step in the first BS decodes
+@example(prompts=[(1, 1, 5)], window=4, state=True)  # one, at the fifth
 def test_steady_decode_steps_change_nothing_the_full_allocation_would(
         prompts: list[tuple[int, int, int]], window: int, state: bool) -> None:
     """The multi-group hot path (`is_steady`: tables cover the token, nothing slid out of a window or
@@ -156,5 +158,7 @@ def test_steady_decode_steps_change_nothing_the_full_allocation_would(
         assert _state(fast, live) == _state(slow, live)
         fast.check_integrity()
     # In BS decode steps in a row, a new block, the window's move and the state's move to the new page
-    # leave at least one steady step.
-    assert steady >= 1 or max(o for _, _, o in prompts) < BS
+    # leave at least one steady step; the first decode after a prefill may be unsteady besides (the window
+    # catches up with the prompt), so BS + 1 steps. (Hypothesis found 9 + 1 tokens, window 4, with state,
+    # decoding at 11..14: steady at 15 only.)
+    assert steady >= 1 or max(o for _, _, o in prompts) <= BS
