@@ -103,7 +103,12 @@ class LHDPolicy(_Slots):
         self.gen: list[int] = []  # bumped each time the block is handed out (parent links check it)
         self.plink: list[int] = []  # parent block id (-1: none) ...
         self.pgen: list[int] = []  # ... valid while the parent's gen is this
-        self.counted: list[int] = []  # the parent whose free-child count includes this block (-1)
+        # The parent whose free-child count includes this block (-1), a count that stands while the
+        # parent's gen is the block's pgen: a parent handed out for new content (from any queue, the
+        # low queue of blocks that slid out of a window too) is no longer its parent, and its count
+        # starts again at 0. (A stale count kept would let the reused block become, say, its former
+        # child's child: two blocks each waiting for the other to go, never a leaf, never evicted.)
+        self.counted: list[int] = []
         self.nfree_child: list[int] = []
         self.leaf_pos: list[int] = []  # index in `leaves`, -1 if not a leaf
         self.leaves: list[int] = []
@@ -165,9 +170,10 @@ class LHDPolicy(_Slots):
         p = self.counted[bid]
         if p >= 0:
             self.counted[bid] = -1
-            self.nfree_child[p] -= 1
-            if self.nfree_child[p] == 0 and self.where[p] == _MAIN:
-                self._add_leaf(p)  # its last free child went: the parent is a candidate now
+            if self.pgen[bid] == self.gen[p]:
+                self.nfree_child[p] -= 1
+                if self.nfree_child[p] == 0 and self.where[p] == _MAIN:
+                    self._add_leaf(p)  # its last free child went: the parent is a candidate now
         self._num_main -= 1
 
     # -- the contract ---------------------------------------------------------------------------------
@@ -214,7 +220,9 @@ class LHDPolicy(_Slots):
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         out = self._take_n(n, self._evict)
         for blk in out:
-            self.gen[blk.block_id] += 1  # links from its children go stale: it will hold other content
+            # It will hold other content: links from its children go stale, and so do their counts.
+            self.gen[blk.block_id] += 1
+            self.nfree_child[blk.block_id] = 0
         self.now += n
         return out
 
@@ -334,7 +342,7 @@ class LHDPolicy(_Slots):
             bid = heapq.heappop(heap)[2]
             yield self.blocks[bid]  # type: ignore[misc]
             p = self.counted[bid]
-            if p >= 0:
+            if p >= 0 and self.pgen[bid] == self.gen[p]:
                 nfree[p] -= 1
                 if nfree[p] == 0 and self.where[p] == _MAIN:
                     heapq.heappush(heap, key(p))
@@ -345,8 +353,9 @@ class LHDPolicy(_Slots):
         assert len(main) == self._num_main, "main count drifted"
         n_child = [0] * self.size
         for j in main:
-            if self.counted[j] >= 0:
-                n_child[self.counted[j]] += 1
+            p = self.counted[j]
+            if p >= 0 and self.pgen[j] == self.gen[p]:
+                n_child[p] += 1
         assert n_child == self.nfree_child, "free-child counts drifted"
         for i in range(self.size):
             is_leaf = self.where[i] == _MAIN and self.nfree_child[i] == 0

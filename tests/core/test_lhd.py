@@ -124,3 +124,28 @@ def test_evictions_are_observed_past_the_eviction_window() -> None:
     pol.window = 1
     run(mgr, "c", list(range(200, 217)))  # evicts a's two blocks again, and settles b's
     assert sum(pol.h_evict) > 0
+
+
+def test_a_block_reused_from_the_low_queue_drops_the_count_of_its_former_children() -> None:
+    """A parent with a free child is hit, slides out of a window (the low queue), is handed out for new
+    content and cached as that former child's child. Its count of free children must start again at
+    0: a stale one made the two wait for each other, neither a leaf, never listed nor evicted (the
+    hypothesis machines found it on full + window + state groups)."""
+    from kvpool.core.block import KVCacheBlock
+
+    pol = LHDPolicy()
+    a, b = KVCacheBlock(1), KVCacheBlock(2)
+    a.block_hash, b.block_hash = b"a", b"b"
+    pol.on_cached(a, 0, None)
+    pol.on_cached(b, 1, a)
+    pol.append_n([b, a])  # released tail first: b counts as a's free child
+    assert [x.block_id for x in pol] == [2, 1]
+    pol.remove(a)  # a hit on the prefix alone
+    pol.append_low_n([a])  # ... which then slid out of the request's window
+    assert pol.popleft_n(1) == [a]  # the low queue goes first: a is handed out for new content
+    a.block_hash = b"c"
+    pol.on_cached(a, 2, b)  # now b's child
+    pol.append_n([a])
+    pol.check()
+    assert pol.num_free_blocks == 2 and [x.block_id for x in pol] == [1, 2]
+    assert pol.popleft_n(2) == [a, b]  # the new child first, then its parent
