@@ -363,6 +363,8 @@ class LHDPolicy(_Slots):
             if is_leaf:
                 assert self.leaves[self.leaf_pos[i]] == i
         assert len(self.leaves) == sum(1 for p in self.leaf_pos if p >= 0)
+        # Every free block is reached from the leaves (blocks waiting on each other never would be).
+        assert sum(1 for _ in self) == self.num_free_blocks, "a free block is unreachable from the leaves"
 
     # -- observations ---------------------------------------------------------------------------------
 
