@@ -57,7 +57,8 @@ def run(a: argparse.Namespace) -> dict:
     for op in OPS:
         unit = n_decode if op.startswith("decode") else len(trace)
         per_op[op] = round(statistics.median(r.times[op] for r in runs) / max(unit, 1) * 1e6, 3)
-    hit_rate = runs[0].hit_rate
+    r0 = runs[0]
+    hit_rate = r0.hit_rate
     host_hit_rate = mgr.stats.host_hits / mgr.stats.queries if mgr.stats.queries else 0.0
     optimal = None if a.no_belady else belady_hit_rate(trace, a.num_blocks, a.block_size, a.concurrency,
                                                       a.hash_algo)
@@ -68,8 +69,11 @@ def run(a: argparse.Namespace) -> dict:
                   host_hit_rate=host_hit_rate, blocks_swapped_out=mgr.swap_stats.blocks_out,
                   blocks_swapped_in=mgr.swap_stats.blocks_in,
                   requests_per_s=len(trace) / wall, blocks_per_s=n_blocks / wall,
-                  us_per_request_or_decode_token=per_op)
-    rows = [["trace", source], ["requests", len(trace)], ["pool", f"{a.num_blocks} blocks of {a.block_size}"],
+                  us_per_request_or_decode_token=per_op, waited=r0.waited, preempted=r0.preempted,
+                  skipped=r0.skipped)
+    n_req = (len(trace) if not (r0.waited or r0.preempted or r0.skipped) else
+             f"{len(trace)} ({r0.waited} waited for room, {r0.preempted} preemptions, {r0.skipped} did not fit)")
+    rows = [["trace", source], ["requests", n_req], ["pool", f"{a.num_blocks} blocks of {a.block_size}"],
             ["concurrency", a.concurrency], [f"hit rate ({a.eviction_policy.upper()})", f"{hit_rate:.4f}"],
             ["hit rate (Belady optimum)", "skipped" if optimal is None else f"{optimal:.4f}"],
             ["host tier", f"{a.host_blocks} blocks ({a.host_eviction}): hit rate {host_hit_rate:.4f}, "

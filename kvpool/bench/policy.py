@@ -120,7 +120,8 @@ def run(a: argparse.Namespace) -> dict:
                 r = replay(case.trace, mgr, hasher, case.concurrency)
                 row_of[pol] = dict(trace=case.name, num_blocks=nb, concurrency=case.concurrency, policy=pol,
                                    host_blocks=a.host_blocks, hit_rate=r.hit_rate, belady_hit_rate=optimal,
-                                   gap_closed=None, requests_per_s=len(case.trace) / r.wall_s)
+                                   gap_closed=None, requests_per_s=len(case.trace) / r.wall_s,
+                                   waited=r.waited, preempted=r.preempted, skipped=r.skipped)
             lru = row_of.get("lru", {}).get("hit_rate")
             for res in row_of.values():
                 if lru is not None and optimal is not None and optimal > lru:
@@ -131,6 +132,12 @@ def run(a: argparse.Namespace) -> dict:
              "-" if r["gap_closed"] is None else f"{r['gap_closed']:+.0%}", round(r["requests_per_s"])]
             for r in results]
     table = format_table(["trace", "blocks", "conc", "policy", "hit rate", "Belady", "gap closed", "req/s"], rows)
+    tight = [r for r in results if r["waited"] or r["preempted"] or r["skipped"]]
+    if tight:
+        table += ("\nmore than the pool held at once (the replay waited, preempted the newest request, skipped "
+                  "what never fits): " + "; ".join(f"{r['trace']} {r['num_blocks']} {r['policy']}: {r['waited']} "
+                                                   f"waited, {r['preempted']} preempted, {r['skipped']} skipped"
+                                                   for r in tight))
     out = dict(system="kvpool", bench="policy", block_size=a.block_size, host_blocks=a.host_blocks,
                host_eviction=a.host_eviction, results=results)
     if a.plot:

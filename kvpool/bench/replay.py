@@ -4,12 +4,22 @@ Per request: create + hash the prompt, look up the cached prefix, allocate the p
 append + one-slot allocation per decoded token, then free. Up to `concurrency` requests are in flight
 and each round every one of them decodes one token: the call pattern of `../shared/peers/vllm/
 replay_trace.py`, so the two managers are timed on identical work.
+
+A trace from production may ask for more than the pool holds at once (a few long prompts in flight
+together), which vLLM's replay script does not survive. Here the replay does what a scheduler does,
+and only then: a prompt that does not fit waits for requests in flight to finish (`waited`); when a decode
+step does not fit, the newest request in flight is preempted (its blocks released, cached, and it
+resumes later from its prompt plus what it had generated, first in line); a request that does not
+fit an otherwise empty pool is skipped. A resumed request's lookup is not counted in the hit rate (its
+prompt was counted once, at its first admission); `preempted` and `skipped` say how often either
+happened. On a trace that fits, none of this runs and the call pattern is exactly the one above.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +37,9 @@ class ReplayResult:
     hit_tokens: int
     prompt_tokens: int
     times: dict[str, float] = field(default_factory=dict)
+    waited: int = 0  # requests whose prompt did not fit at first: admitted once others finished
+    preempted: int = 0  # decode steps that did not fit: requests preempted to make room
+    skipped: int = 0  # requests that did not fit the empty pool (not in the hit rate)
 
     @property
     def hit_rate(self) -> float:
@@ -37,62 +50,107 @@ class PoolTooSmall(ValueError):
     pass
 
 
+@dataclass
+class _Running:
+    req: CacheRequest
+    index: int  # in the trace
+    decode: list[int]
+    done: int = 0  # decode tokens appended
+
+
 def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHasher, concurrency: int,
            on_admit: Callable[[int], None] | None = None) -> ReplayResult:
-    """Run the trace; `on_admit(i)` is told the index of each request before its lookup."""
+    """Run the trace; `on_admit(i)` is told the index of each request before its lookup (again when a
+    preempted request resumes)."""
     t = dict.fromkeys(OPS, 0.0)
     pc = time.perf_counter
-    hit = prompt = 0
+    hit = prompt = waited = preempted = skipped = 0
+    last_waiting = -1
     gc.collect()
     wall0 = pc()
-    active: list[list] = []
+    active: list[_Running] = []
+    # Preempted requests, resumed before the next new one: (trace index, tokens so far, decode left).
+    resume: deque[tuple[int, list[int], list[int]]] = deque()
     i = 0
     n_trace = len(trace)
-    while i < n_trace or active:
-        while i < n_trace and len(active) < concurrency:
-            tr = trace[i]
+    while i < n_trace or active or resume:
+        while (resume or i < n_trace) and len(active) < concurrency:
+            first = not resume
+            if first:
+                idx = i
+                tokens, dec = trace[i]["prompt"], trace[i]["decode"]
+            else:
+                idx, tokens, dec = resume[0]
             if on_admit is not None:
-                on_admit(i)
-            i += 1
+                on_admit(idx)
             t0 = pc()
-            req = CacheRequest(tr["id"], tr["prompt"], hasher=hasher)
+            req = CacheRequest(trace[idx]["id"], tokens, hasher=hasher)
             t1 = pc()
             blocks, n_hit = manager.get_computed_blocks(req)
             t2 = pc()
-            n = len(tr["prompt"])
-            if manager.allocate_slots(req, n - n_hit, n_hit, blocks) is None:
-                raise PoolTooSmall(f"{tr['id']}: prefill allocation failed: pool too small for this trace")
+            n = len(tokens)
+            ok = manager.allocate_slots(req, n - n_hit, n_hit, blocks) is not None
             t3 = pc()
-            req.num_computed_tokens = n
             t["hash_prompt"] += t1 - t0
             t["lookup"] += t2 - t1
             t["allocate_prefill"] += t3 - t2
-            hit += n_hit
-            prompt += n
-            active.append([req, tr["decode"], 0])
-        still = []
-        for st in active:
-            req, dec, k = st
-            if k < len(dec):
+            if not ok and active:
+                if first and last_waiting != idx:
+                    waited += 1
+                    last_waiting = idx
+                break  # wait for the requests in flight to make room
+            if first:
+                i += 1
+            else:
+                resume.popleft()
+            if not ok:
+                skipped += 1  # does not fit the pool even alone
+                continue
+            req.num_computed_tokens = n
+            if first:
+                hit += n_hit
+                prompt += n
+            active.append(_Running(req, idx, dec))
+        k = 0
+        while k < len(active):
+            st = active[k]
+            if st.done < len(st.decode):
                 t0 = pc()
-                req.append_output_token_ids(dec[k])
+                st.req.append_output_token_ids(st.decode[st.done])
                 t1 = pc()
-                if manager.allocate_slots(req, 1) is None:
-                    raise PoolTooSmall(f"{req.request_id}: decode allocation failed: pool too small")
+                ok = manager.allocate_slots(st.req, 1) is not None
+                while not ok and active[-1] is not st:
+                    # Recompute preemption, newest first, until the step fits.
+                    victim = active.pop()
+                    manager.free(victim.req, preempted=True)
+                    preempted += 1
+                    v = victim.req
+                    resume.appendleft((victim.index, list(v.all_token_ids[:v.num_computed_tokens]),
+                                       victim.decode[victim.done:]))
+                    ok = manager.allocate_slots(st.req, 1) is not None
                 t2 = pc()
-                req.num_computed_tokens += 1
-                st[2] = k + 1
                 t["decode_append"] += t1 - t0
                 t["decode_allocate"] += t2 - t1
-            if st[2] >= len(dec):
+                if not ok:
+                    # Alone in the pool and still no room: this request never fits.
+                    manager.free(st.req)
+                    active.pop()
+                    skipped += 1
+                    continue
+                st.req.num_computed_tokens += 1
+                st.done += 1
+            if st.done >= len(st.decode):
                 t0 = pc()
-                manager.free(req)
+                manager.free(st.req)
                 t["free"] += pc() - t0
+                active.pop(k)
             else:
-                still.append(st)
-        active = still
+                k += 1
         manager.end_schedule_step()  # one scheduler step per round: the swap plan is handed out
     wall = pc() - wall0
     if manager.get_num_free_blocks() != manager.block_pool.num_usable_blocks:
         raise AssertionError("blocks leaked")
-    return ReplayResult(wall_s=wall, hit_tokens=hit, prompt_tokens=prompt, times=t)
+    if n_trace and skipped == n_trace:
+        raise PoolTooSmall(f"no request of the trace fits a pool of {manager.block_pool.num_usable_blocks} blocks")
+    return ReplayResult(wall_s=wall, hit_tokens=hit, prompt_tokens=prompt, times=t, waited=waited,
+                        preempted=preempted, skipped=skipped)

@@ -47,9 +47,9 @@ def test_belady_beats_or_matches_lru_on_multi_turn() -> None:
     assert opt > lru > 0.2  # the pool holds a part of the working set: the policy matters
 
 
-def test_pool_too_small_is_reported() -> None:
+def test_a_trace_of_which_nothing_fits_is_reported() -> None:
     trace = [dict(id="a", prompt=list(range(100)), decode=[])]
-    with pytest.raises(PoolTooSmall, match="pool too small"):
+    with pytest.raises(PoolTooSmall, match="no request of the trace fits a pool of 7 blocks"):
         replay(trace, KVCacheManager(8, 4), BlockHasher(4), 1)  # type: ignore[arg-type]
 
 
@@ -58,3 +58,35 @@ def test_trace_file_errors_name_the_line(tmp_path: Path) -> None:
     p.write_text('{"id": "a", "prompt": [1]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: trace line lacks 'decode'"):
         load_trace(p)
+
+
+def test_a_prompt_that_does_not_fit_waits_for_the_requests_in_flight() -> None:
+    # 8 usable blocks of 4 tokens. a holds 5 (then 6 as it decodes); b needs 5: it waits for a to finish.
+    trace = [dict(id="a", prompt=list(range(20)), decode=[1, 2, 3, 4]),
+             dict(id="b", prompt=list(range(100, 120)), decode=[5])]
+    mgr = KVCacheManager(9, 4)
+    r = replay(trace, mgr, BlockHasher(4), concurrency=2)  # type: ignore[arg-type]
+    assert (r.waited, r.preempted, r.skipped) == (1, 0, 0)
+    assert (r.hit_tokens, r.prompt_tokens) == (0, 40)
+    assert mgr.get_num_free_blocks() == 8
+
+
+def test_a_decode_step_that_does_not_fit_preempts_the_newest_request() -> None:
+    # a and b hold 3 blocks each; each needs 5 by its end, 10 > 8: b is preempted for a, resumes from
+    # its prompt plus what it had generated, and its resumed lookup is not counted again.
+    trace = [dict(id="a", prompt=list(range(12)), decode=list(range(8))),
+             dict(id="b", prompt=list(range(100, 112)), decode=list(range(8)))]
+    mgr = KVCacheManager(9, 4)
+    r = replay(trace, mgr, BlockHasher(4), concurrency=2)  # type: ignore[arg-type]
+    assert (r.preempted, r.skipped) == (1, 0)
+    assert (r.hit_tokens, r.prompt_tokens) == (0, 24)
+    assert mgr.get_num_free_blocks() == 8
+
+
+def test_a_request_larger_than_the_pool_is_skipped_and_the_rest_replayed() -> None:
+    trace = [dict(id="big", prompt=list(range(40)), decode=[1]),
+             dict(id="a", prompt=list(range(100, 110)), decode=[1]),
+             dict(id="b", prompt=list(range(100, 110)), decode=[2])]
+    r = replay(trace, KVCacheManager(9, 4), BlockHasher(4), concurrency=1)  # type: ignore[arg-type]
+    assert (r.waited, r.preempted, r.skipped) == (0, 0, 1)
+    assert (r.hit_tokens, r.prompt_tokens) == (8, 20)  # b hits a's two full blocks; big is not counted
