@@ -197,9 +197,21 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("pin_prefix: empty prompt")
+        # What a request's prompt must satisfy: the prefix is computed as one when it is not cached, and
+        # a prefix no request can reach is not worth the budget (checked before the budget, so the
+        # answer says what is wrong with it, not that it does not fit).
+        self._check_prompt_ids(ids)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: the prefix has {len(ids)} tokens; the context holds "
+                             f"{self.max_model_len}, and a prompt must leave one to generate")
         n_full = len(ids) // self.kv.block_size
         hashes = CacheRequest("pin", ids, hasher=self.hasher, cache_salt=cache_salt).block_hashes[:n_full]
         return self.pins.pin(hashes, now=time.monotonic(), ttl=ttl, num_tokens=n_full * self.kv.block_size)
+
+    def _check_prompt_ids(self, ids: Sequence[int]) -> None:
+        vocab = self.runner.num_embeddings  # special tokens (an image token) may follow the vocab
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
 
     def unpin(self, pin_id: str) -> bool:
         return self.pins.unpin(pin_id)
@@ -296,9 +308,7 @@ class LLMEngine:
             ids = self.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        vocab = self.runner.num_embeddings  # special tokens (an image token) may follow the vocab
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
-            raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
+        self._check_prompt_ids(ids)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")

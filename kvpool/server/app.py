@@ -22,7 +22,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
@@ -30,6 +29,7 @@ from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
+from kvpool.server.errors import ERROR_TYPES, APIError, ClientDisconnected, add_error_handlers, read_raw
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
@@ -37,40 +37,10 @@ from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, Pin
 
 M = TypeVar("M", bound=BaseModel)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-                503: "service_unavailable", 500: "internal_server_error"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    @classmethod
-    def from_value_error(cls, e: ValueError) -> APIError:
-        msg = str(e)
-        field = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
-        return cls(400, msg, field)
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
-        body = {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
 async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"body: {declared} bytes is over the limit of {max_bytes}")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
-            raise APIError(413, f"body: over the limit of {max_bytes} bytes")
+    raw = await read_raw(request, max_bytes)
     try:
-        data = parse_json_object(bytes(raw), request.headers.get("content-type"))
+        data = parse_json_object(raw, request.headers.get("content-type"))
     except BodyError as e:
         raise APIError(400, str(e)) from None
     try:
@@ -107,22 +77,6 @@ def check_api_key(request: Request, api_key: str | None) -> None:
     scheme, _, token = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI error object: ours (APIError), routing's (404/405), and anything else (500)."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {e!r}").response()
 
 
 def usage_json(out: RequestOutput) -> dict[str, Any]:
@@ -179,12 +133,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         return lora
 
     async def start(prompt: str | list[int], params: SamplingParams, salt: str | None,
-                    mm_inputs: Sequence[MMInput] = (), lora: LoRARequest | None = None) -> RequestStream:
+                    mm_inputs: Sequence[MMInput] = (), lora: LoRARequest | None = None,
+                    rename: dict[str, str] | None = None) -> RequestStream:
         try:
             return await engine.add_request(prompt, params, request_id=uuid.uuid4().hex, cache_salt=salt,
                                             mm_inputs=mm_inputs, lora_request=lora)
         except ValueError as e:
-            raise APIError.from_value_error(e) from None
+            raise APIError.from_value_error(e, rename) from None
         except EngineOverloadedError as e:
             raise APIError(503, f"server overloaded: {e}; retry later") from None
         except EngineDeadError as e:
@@ -207,7 +162,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                 if done:
                     return task.result()
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError
+                    raise ClientDisconnected
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         except ValueError as e:  # refused on the engine thread when queued (e.g. a request id in use)
@@ -236,9 +191,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                             "choices": [], "usage": usage_json(out)}
                     yield f"data: {json.dumps(body)}\n\n"
             except EngineDeadError as e:
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[503], 'code': 503}})}\n\n"
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': ERROR_TYPES[503], 'code': 503}})}\n\n"
             except ValueError as e:  # refused on the engine thread when queued
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': _ERROR_TYPES[400], 'code': 400}})}\n\n"
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': ERROR_TYPES[400], 'code': 400}})}\n\n"
             finally:
                 stream.abort()  # a no-op when finished; frees the blocks when the client left mid-stream
             yield "data: [DONE]\n\n"
@@ -256,9 +211,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     async def metrics_endpoint() -> Response:
         if engine.is_alive:
             try:
-                pinned_blocks, pins = await engine.call(lambda e: (e.expire_pins(), e.stats().num_pins))
+                pinned_blocks, st = await engine.call(lambda e: (e.expire_pins(), e.stats()))
                 metrics.pinned_blocks.set(pinned_blocks)
-                metrics.pins.set(pins)
+                metrics.pins.set(st.num_pins)
+                # Usage as of now, not of the last step: a pin, an unpin or an expiry with no step after
+                # it changes it too (and routers read it as the replica's load).
+                metrics.running.set(st.num_running)
+                metrics.waiting.set(st.num_waiting)
+                metrics.kv_usage.set(st.kv_usage)
             except EngineDeadError:
                 pass
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -278,19 +238,21 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         def pin(e: Any) -> Pin:
             return e.pin_prefix(body.prompt, ttl=body.ttl, cache_salt=body.cache_salt)
 
+        rename = {"prompt_token_ids": "prompt", "pin_prefix": "prompt"}
         try:
             try:
                 return JSONResponse(pin_json(await engine.call(pin)))
             except PrefixNotCached:
                 # Compute the prefix (one token of output), then pin what it cached.
-                await finish(request, await start(body.prompt, SamplingParams(max_tokens=1), body.cache_salt))
+                await finish(request, await start(body.prompt, SamplingParams(max_tokens=1), body.cache_salt,
+                                                  rename=rename))
                 return JSONResponse(pin_json(await engine.call(pin)))
         except PinBudgetExceeded as e:
-            raise APIError(409, str(e)) from None
+            raise APIError(409, APIError.from_value_error(e, rename).message, "prompt") from None
         except PrefixNotCached as e:
-            raise APIError(409, f"{e} (evicted again before it could be pinned; retry)") from None
+            raise APIError(409, f"{e} (evicted again before it could be pinned; retry)", "prompt") from None
         except ValueError as e:
-            raise APIError.from_value_error(e) from None
+            raise APIError.from_value_error(e, rename) from None
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
 
@@ -335,11 +297,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         body = await read_body(request, CompletionRequest, max_body_bytes)
         lora = check_model(body.model)
         served = lora.lora_name if lora is not None else model_name
+        rename = {"prompt_token_ids": "prompt"}
         try:
             prompt, params = body.single_prompt(), body.to_sampling_params()
         except ValueError as e:
-            raise APIError.from_value_error(e) from None
-        stream = await start(prompt, params, body.cache_salt, lora=lora)
+            raise APIError.from_value_error(e, rename) from None
+        stream = await start(prompt, params, body.cache_salt, lora=lora, rename=rename)
         rid = f"cmpl-{stream.request_id}"
 
         def choice(text: str, out: RequestOutput | None, final: bool) -> dict[str, Any]:
@@ -362,6 +325,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         lora = check_model(body.model)
         served = lora.lora_name if lora is not None else model_name
         mm: list[MMInput] = []
+        rename = {"prompt_token_ids": "messages"}
+        if body.max_completion_tokens is not None:  # the field the client set, in every error about it
+            rename["max_tokens"] = "max_completion_tokens"
         try:
             params = body.to_sampling_params()
             if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them
@@ -369,10 +335,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             else:
                 ids = await engine.apply_chat_template(body.chat_messages())
         except ValueError as e:
-            raise APIError.from_value_error(e) from None
+            raise APIError.from_value_error(e, rename) from None
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        stream = await start(ids, params, body.cache_salt, mm, lora)
+        stream = await start(ids, params, body.cache_salt, mm, lora, rename)
         rid = f"chatcmpl-{stream.request_id}"
 
         def chunk(text: str, out: RequestOutput | None, final: bool, delta: dict[str, Any] | None = None

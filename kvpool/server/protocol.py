@@ -1,11 +1,14 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (penalties, logprobs, n > 1), and ignored when they are only bookkeeping (`user`, `metadata`).
+result (penalties, logprobs, n > 1, logit_bias, response_format, tools, guided decoding, vLLM's
+min_p / min_tokens / repetition_penalty: `_UNSUPPORTED`), and ignored when they are only bookkeeping
+(`user`, `metadata`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
@@ -15,6 +18,34 @@ from kvpool.engine.sampling_params import SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+def _none_or(*ok: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or (not isinstance(v, bool) and v in ok)
+
+
+# Fields that change the answer (its tokens or what comes back) and that kvpool does not implement:
+# refused when set to anything but their no-op value, never silently ignored. Each maps to "this value
+# changes nothing".
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "best_of": _none_or(1),
+    "logit_bias": lambda v: v is None or v == {},
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "min_tokens": _none_or(0),
+    "repetition_penalty": _none_or(1),
+    "min_p": _none_or(0),
+    "top_logprobs": _none_or(0),
+    "prompt_logprobs": _none_or(),
+    "guided_json": _none_or(),
+    "guided_regex": _none_or(),
+    "guided_choice": _none_or(),
+    "guided_grammar": _none_or(),
+    "structured_outputs": _none_or(),
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": _none_or("none", "auto"),
+    "functions": lambda v: v is None or v == [],
+    "function_call": _none_or("none", "auto"),
+}
 
 
 class _SamplingFields(BaseModel):
@@ -39,6 +70,20 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # Requests with different salts never share cached blocks: tenant isolation against timing side channels.
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Declared so that they are seen (unknown fields are dropped), and refused unless no-ops (_UNSUPPORTED).
+    best_of: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    min_tokens: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    top_logprobs: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -50,6 +95,10 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"{name}: not supported (must be 0)")
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs: not supported")
+        for name, harmless in _UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if not harmless(value):
+                raise ValueError(f"{name}: not supported (got {value!r:.80})")
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, max_tokens=self._max_tokens(),
@@ -118,6 +167,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    tools: Any = None  # tool calling is not implemented: refused when tools are offered (_UNSUPPORTED)
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

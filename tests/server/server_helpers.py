@@ -18,16 +18,17 @@ def make_engine(model_dir: Path, **kw: object) -> LLMEngine:
     return LLMEngine(**args)  # type: ignore[arg-type]
 
 
-def metric(url: str, name: str) -> float:
-    """One sample of /metrics (summed over labels)."""
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of /metrics, summed over the samples that carry `labels` (0 for a labelled series not
+    yet created; a KeyError for a metric that does not exist)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics").text
     total, seen = 0.0, False
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == name:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total, seen = total + s.value, True
-    if not seen:
+    if not seen and not labels:
         raise KeyError(name)
     return total

@@ -4,6 +4,7 @@ message naming the problem, nothing leaks, and the server answers normally after
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import make_engine
+from server_helpers import make_engine, metric
 
 from kvpool.engine.async_engine import StepReport
 from kvpool.server.serve import ServerHandle, start_server
@@ -35,8 +36,10 @@ CASES = [
     ("/v1/completions", body(prompt=None), 400, "prompt", "prompt:"),
     ("/v1/completions", body(prompt=["a", "b"]), 400, "prompt", "batches of several prompts"),
     ("/v1/completions", body(prompt=[1, -2]), 400, "prompt", "greater than or equal to 0"),
-    ("/v1/completions", body(prompt=[1, 10**6]), 400, "prompt_token_ids", "token ids must be in [0, 49152)"),
-    ("/v1/completions", body(prompt=list(range(600))), 400, "prompt_token_ids", "the context holds 512"),
+    ("/v1/completions", body(prompt=[1, 10**6]), 400, "prompt", "prompt: token ids must be in [0, 49152)"),
+    ("/v1/completions", body(prompt=list(range(600))), 400, "prompt", "the context holds 512"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": "hi " * 600}]}).encode(),
+     400, "messages", "messages: the prompt has"),
     ("/v1/completions", body(max_tokens=0), 400, "max_tokens", "max_tokens: must be an int >= 1"),
     ("/v1/completions", body(max_tokens=-5), 400, "max_tokens", "max_tokens: must be an int >= 1"),
     ("/v1/completions", body(max_tokens=10_000), 400, "max_tokens", "max_tokens"),
@@ -55,8 +58,19 @@ CASES = [
      "messages.0.role", "messages.0.role"),
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": 5}]}).encode(), 400,
      "messages.0.content", "messages.0.content"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 0}).encode(), 400, "max_tokens",
-     "max_tokens: must be an int >= 1"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 0}).encode(), 400, "max_completion_tokens",
+     "max_completion_tokens: must be an int >= 1"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 10**6}).encode(), 400,
+     "max_completion_tokens", "max_completion_tokens: 1000000 new tokens"),
+    # Fields that would change the answer and are not implemented: refused by name, never ignored.
+    ("/v1/completions", body(best_of=2), 400, "best_of", "best_of: not supported"),
+    ("/v1/completions", body(logit_bias={"5": 100}), 400, "logit_bias", "logit_bias: not supported"),
+    ("/v1/completions", body(min_p=0.1), 400, "min_p", "min_p: not supported"),
+    ("/v1/completions", body(repetition_penalty=1.2), 400, "repetition_penalty", "not supported"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "response_format": {"type": "json_object"}}).encode(), 400,
+     "response_format", "response_format: not supported"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
+     400, "tools", "tools: not supported"),
     ("/v1/completions", b"x" * (65 << 10), 413, None, "body:"),
     ("/v1/nothing-here", body(), 404, None, "Not Found"),
 ]
@@ -180,3 +194,30 @@ def test_engine_failure_fails_requests_and_health(chat_llama_dir: Path) -> None:
         assert httpx.post(f"{h.url}/v1/completions", content=body()).status_code == 503
     finally:
         h.stop()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_client_leaving_a_non_streaming_request_aborts_it_without_a_traceback(server: ServerHandle) -> None:
+    errors = _Records()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    generated = metric(server.url, "kvpool:generation_tokens_total")
+    try:
+        with pytest.raises(httpx.TimeoutException):  # 480 tokens take seconds; the client waits 0.3
+            httpx.post(f"{server.url}/v1/completions", content=body(max_tokens=480, ignore_eos=True), timeout=0.3)
+        deadline = time.monotonic() + 10
+        while server.engine.num_pending:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+    assert metric(server.url, "kvpool:generation_tokens_total") - generated < 480  # stopped early
+    assert not [m for m in errors.messages if "Exception in ASGI application" in m]
+    assert server.engine.call_soon(lambda e: e.kv.usage).result(10) == 0.0

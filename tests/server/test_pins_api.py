@@ -35,7 +35,7 @@ def test_pin_lifecycle(pinned_server: ServerHandle) -> None:
     assert [p["id"] for p in listed] == [pin["id"]] and listed[0]["block_ids"] == pin["block_ids"]
     # Over the budget (5 pinned + 8 > 12): refused whole, nothing more pinned.
     r = httpx.post(f"{url}/v1/pins", json={"prompt": list(range(3000, 3000 + 16 * 8))}, headers=KEY)
-    assert r.status_code == 409
+    assert r.status_code == 409 and r.json()["error"]["param"] == "prompt"
     assert "8 more blocks would exceed the pin budget of 12 blocks (5 pinned, 7 left)" in r.json()["error"]["message"]
     assert metric(url, "kvpool:pinned_blocks") == 5
     # A request sharing the prefix hits all of its blocks.
@@ -46,6 +46,8 @@ def test_pin_lifecycle(pinned_server: ServerHandle) -> None:
     assert httpx.delete(f"{url}/v1/pins/{pin['id']}", headers=KEY).json()["deleted"] is True
     assert httpx.delete(f"{url}/v1/pins/{pin['id']}", headers=KEY).status_code == 404
     assert metric(url, "kvpool:pinned_blocks") == 0
+    # Usage as of now: the unpin ran no step, and the pinned blocks are free again.
+    assert metric(url, "kvpool:kv_cache_usage_perc") == 0
 
 
 def test_bad_pin_bodies(pinned_server: ServerHandle) -> None:
@@ -54,3 +56,10 @@ def test_bad_pin_bodies(pinned_server: ServerHandle) -> None:
         assert httpx.post(f"{url}/v1/pins", json=body, headers=KEY).status_code == 400, body
     r = httpx.post(f"{url}/v1/pins", json={"prompt": [1, 2, 3]}, headers=KEY)  # shorter than a block
     assert r.status_code == 400 and "no full block" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
+    # Longer than the context: what is wrong with it, not that it is over the budget.
+    r = httpx.post(f"{url}/v1/pins", json={"prompt": list(range(600))}, headers=KEY)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"].startswith("prompt: the prefix has 600 tokens; the context holds 512")
+    r = httpx.post(f"{url}/v1/pins", json={"prompt": [1, 10**6] * 16}, headers=KEY)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: token ids must be in")

@@ -1,0 +1,75 @@
+"""Errors as the OpenAI API shapes them ({"error": {"message", "type", "param", "code"}}), shared by the
+server, the omni server and the router (which must not import the engine): the error type, the
+handlers that turn every exception into one, and reading a body under a size limit.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+                503: "service_unavailable", 500: "internal_server_error"}
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready (the request was aborted, its blocks freed)."""
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    @classmethod
+    def from_value_error(cls, e: ValueError, rename: dict[str, str] | None = None) -> APIError:
+        """A 400 whose `param` is the field the message starts with; `rename` maps the engine's names
+        for a field to the request's (the engine's `prompt_token_ids` is a chat request's `messages`)."""
+        msg = str(e)
+        field = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
+        if field is not None and rename and field in rename:
+            msg = rename[field] + msg[len(field):]
+            field = rename[field]
+        return cls(400, msg, field)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+async def read_raw(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over `max_bytes` (by its Content-Length,
+    or while reading a chunked one): a large body is never held in memory whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"body: {declared} bytes is over the limit of {max_bytes}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise APIError(413, f"body: over the limit of {max_bytes} bytes")
+    return bytes(raw)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error object: ours (APIError), routing's (404/405), and anything else (500)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return APIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {e!r}").response()
