@@ -9,7 +9,9 @@ be reached, or answers 503, before anything was sent to the client is marked dow
 the next best replica; once bytes have reached the client the request stays where it is.
 
 A health thread polls each replica's /health and /metrics (running, waiting, KV usage) twice a second;
-a replica that fails is left out until it answers again.
+a replica that fails is left out until it answers again. A client that disconnects before its answer is
+complete has its request to the replica dropped (the replica then aborts it). Pins and the prefix-cache
+reset go to every replica (`kvpool.router.admin`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -33,16 +35,16 @@ from pydantic import ValidationError
 
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest
+from kvpool.router.admin import add_admin_routes, forward_headers
 from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.subscriber import EventSubscriber
+from kvpool.server.errors import APIError, add_error_handlers, read_raw
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
-
-_FORWARD_HEADERS = ("authorization", "content-type", "accept")
-
+T = TypeVar("T")
 
 @dataclass
 class ReplicaSpec:
@@ -360,14 +362,13 @@ def _read_metrics(text: str) -> dict[str, float]:
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}.get(status, "error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
+    return APIError(status, message, param).response()
 
 
 def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: int = 3,
                request_timeout_s: float = 600.0) -> FastAPI:
     app = FastAPI(title="kvpool router", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)  # unknown routes, wrong methods and anything unexpected: OpenAI error bodies
     client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=2.0),
                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
     app.state.client = client
@@ -391,7 +392,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             if not rep.healthy:
                 continue
             try:
-                r = await client.get(f"{name}{path}", headers=_headers(request))
+                r = await client.get(f"{name}{path}", headers=forward_headers(request))
             except httpx.HTTPError:
                 router.mark_down(name)
                 continue
@@ -403,6 +404,8 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
     async def models(request: Request) -> Response:
         return await forward_get("/v1/models", request)
 
+    add_admin_routes(app, router, client, max_body_bytes)  # pins and the cache reset, on every replica
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy("/v1/completions", request)
@@ -412,18 +415,19 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         return await proxy("/v1/chat/completions", request)
 
     async def proxy(path: str, request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            return _error(413, f"body: over the limit of {max_body_bytes} bytes")
+        raw = await read_raw(request, max_body_bytes)
         try:
             body = parse_json_object(raw, request.headers.get("content-type"))
         except BodyError as e:
             return _error(400, str(e))
         tokens, salt = await asyncio.to_thread(router.tokens_of, path, body)
-        hashes = router.block_hashes(tokens, salt)
+        try:
+            hashes = router.block_hashes(tokens, salt)
+        except ValueError:  # token ids no tokenizer makes (a replica answers with the 400 that says why)
+            hashes = []
         stream = bool(body.get("stream"))
         tried: set[str] = set()
-        headers = _headers(request)
+        headers = forward_headers(request)
         for _ in range(max_attempts):
             picked = router.pick(hashes, tried)
             if picked is None:
@@ -432,12 +436,16 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             tried.add(name)
             try:
                 req = client.build_request("POST", f"{name}{path}", content=raw, headers=headers)
-                resp = await client.send(req, stream=True)
+                # A non-streaming answer's headers come when it is complete: watch the client meanwhile.
+                sent, resp = await _unless_gone(client.send(req, stream=True), request)
             except httpx.HTTPError:
                 router.done(name)
                 router.mark_down(name)
                 router.metrics.retries.labels(name).inc()
                 continue
+            if not sent:  # the client left; the send was cancelled, which aborts the request there
+                router.done(name)
+                return Response(status_code=499)
             if resp.status_code == 503:  # overloaded or its engine died: try another before giving up
                 await resp.aclose()
                 router.done(name)
@@ -445,13 +453,17 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                 continue
             if not stream:
                 try:
-                    content = await resp.aread()
+                    read, content = await _unless_gone(resp.aread(), request)
                 except httpx.HTTPError:  # died mid-answer: the client has seen nothing yet
                     await resp.aclose()
                     router.done(name)
                     router.mark_down(name)
                     router.metrics.retries.labels(name).inc()
                     continue
+                if not read:  # the client left: closing the connection aborts the request there
+                    await resp.aclose()
+                    router.done(name)
+                    return Response(status_code=499)
                 router.done(name)
                 return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
                                 headers={"x-kvpool-replica": name})
@@ -477,6 +489,25 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
     return app
 
 
+async def _unless_gone(work: Awaitable[T], request: Request) -> tuple[bool, T | None]:
+    """(True, what `work` gives), or (False, None) as soon as the client has disconnected, `work` then
+    cancelled (an upstream request cancelled or closed mid-answer aborts it on the replica, and frees its
+    blocks there). `work`'s own exception propagates."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return True, task.result()
+            if await request.is_disconnected():
+                return False, None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
+
+
 async def _relay(first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, router: Router, name: str
                  ) -> AsyncIterator[bytes]:
     try:
@@ -491,10 +522,6 @@ async def _relay(first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Respons
     finally:
         await resp.aclose()
         router.done(name)
-
-
-def _headers(request: Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
 
 
 @dataclass

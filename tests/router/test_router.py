@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from replicas import start_front, start_replica
-from server_helpers import metric
+from server_helpers import leave_early, metric
 
 from kvpool.router.app import ReplicaSpec, Router, RouterHandle
 from kvpool.server.serve import ServerHandle
@@ -218,3 +218,67 @@ def test_kvpool_router_command(chat_llama_dir: Path, capsys: pytest.CaptureFixtu
         proc.terminate()
         proc.wait(20)
         h.stop()
+
+
+def test_router_errors_are_openai_errors(cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    front, _ = cluster
+    # Token ids no tokenizer makes: routed without hashes, and the replica's 400 names the field.
+    r = httpx.post(f"{front.url}/v1/completions", json={"prompt": [1, 10**30], "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    for r, status in ((httpx.post(f"{front.url}/v1/embeddings", json={}), 404),
+                      (httpx.get(f"{front.url}/v1/completions"), 405)):
+        assert r.status_code == status and r.json()["error"]["code"] == status
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(16):
+            yield b"a" * (1 << 20)  # chunked: refused while reading, at the limit (4 MiB), not after 16
+
+    assert httpx.post(f"{front.url}/v1/completions", content=chunks()).status_code == 413
+
+
+def test_a_client_leaving_a_non_streaming_request_aborts_it_on_the_replica(
+        cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    front, reps = cluster
+    before = sum(metric(h.url, "kvpool:generation_tokens_total") for h in reps)
+    leave_early(f"{front.url}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True,
+                                                "temperature": 0}, reps)
+    assert sum(metric(h.url, "kvpool:generation_tokens_total") for h in reps) - before < 480  # stopped early
+
+
+def test_pins_and_the_cache_reset_reach_every_replica(cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    front, reps = cluster
+    prompt = list(range(2000, 2000 + 16 * 3 + 1))  # 3 full blocks
+    r = httpx.post(f"{front.url}/v1/pins", json={"prompt": prompt, "ttl": 600}, timeout=60)
+    assert r.status_code == 200, r.text
+    pin = r.json()
+    assert pin["id"].startswith("rpin-") and pin["num_blocks"] == 3 and pin["missing"] == []
+    assert set(pin["replicas"]) == {h.url for h in reps}
+    for h in reps:
+        assert [p["id"] for p in httpx.get(f"{h.url}/v1/pins").json()["data"]] == [pin["replicas"][h.url]]
+    assert [p["id"] for p in httpx.get(f"{front.url}/v1/pins").json()["data"]] == [pin["id"]]
+    assert httpx.delete(f"{front.url}/v1/pins/{pin['id']}").json()["deleted"] is True
+    for h in reps:
+        assert httpx.get(f"{h.url}/v1/pins").json()["data"] == []
+    r = httpx.delete(f"{front.url}/v1/pins/{pin['id']}")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(f"{front.url}/v1/pins", json={"prompt": [1, 2, 3]})  # every replica refuses it alike
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert httpx.post(f"{front.url}/reset_prefix_cache").json() == {"reset": True, "replicas": 2}
+
+
+def test_a_pin_one_replica_refuses_is_undone_on_the_others(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    # 255 usable blocks each: a budget of 50% (127 blocks) and one of 1% (2 blocks). A 4-block pin fits
+    # the first only: refused as a whole, with the second replica's 409, and unpinned on the first.
+    reps = [start_replica(chat_llama_dir, events=False, pin_budget=b) for b in (0.5, 0.01)]
+    front = start_front([s for _, s in reps], chat_tokenizer)
+    try:
+        r = httpx.post(f"{front.url}/v1/pins", json={"prompt": list(range(3000, 3000 + 16 * 4))}, timeout=60)
+        assert r.status_code == 409 and "pin budget of 2 blocks" in r.json()["error"]["message"], r.text
+        for h, _ in reps:
+            assert httpx.get(f"{h.url}/v1/pins").json()["data"] == []
+        assert httpx.get(f"{front.url}/v1/pins").json()["data"] == []
+    finally:
+        front.stop()
+        for h, _ in reps:
+            h.stop()

@@ -1,12 +1,17 @@
-"""Helpers of the server tests: an engine on the tiny chat Llama, and a reader of /metrics."""
+"""Helpers of the server tests: an engine on the tiny chat Llama, a reader of /metrics, a client that leaves."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
 from kvpool.engine.engine import LLMEngine
+from kvpool.server.serve import ServerHandle
 
 BLOCK = 16
 
@@ -32,3 +37,33 @@ def metric(url: str, name: str, **labels: str) -> float:
     if not seen and not labels:
         raise KeyError(name)
     return total
+
+
+def leave_early(url: str, body: dict, servers: Sequence[ServerHandle], wait_s: float = 1.0) -> None:
+    """Send a non-streaming request whose client gives up after `wait_s`. The engines are held between
+    steps from the moment it is pending until the client has been gone a while, so the request cannot
+    finish first however fast the model is. Returns once no engine has anything pending."""
+    gate = threading.Event()
+
+    def send() -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(url, json=body, timeout=wait_s)
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(s.engine.num_pending for s in servers):
+            assert time.monotonic() < deadline, "the request never reached an engine"
+            time.sleep(0.002)
+        for s in servers:
+            s.engine.call_soon(lambda e: gate.wait(30))
+        t.join()
+        time.sleep(1.0)  # the server (and a router in front) notice the client is gone
+    finally:
+        gate.set()
+        t.join()
+    deadline = time.monotonic() + 10
+    while any(s.engine.num_pending for s in servers):
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
