@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k
+    top_k: int = 0  # 0 (or -1, as vLLM spells it): no top-k
     max_tokens: int | None = 16  # None: until the context is full
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -36,8 +36,10 @@ class SamplingParams:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0 < number("top_p") <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k: must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM's "off" (clients written for it send -1)
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
                                             or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")

@@ -366,9 +366,13 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: int = 3,
-               request_timeout_s: float = 600.0) -> FastAPI:
+               request_timeout_s: float | None = None) -> FastAPI:
     app = FastAPI(title="kvpool router", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)  # unknown routes, wrong methods and anything unexpected: OpenAI error bodies
+    # No read timeout by default: a non-streaming answer arrives whole when it is done, which for a long
+    # generation on a slow machine can take many minutes; timing it out would mark a healthy replica down
+    # and run the request again elsewhere. A dead replica drops the connection (or fails its health
+    # checks), and a client that gives up has its request dropped.
     client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=2.0),
                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
     app.state.client = client
@@ -427,6 +431,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             hashes = []
         stream = bool(body.get("stream"))
         tried: set[str] = set()
+        last_503: bytes | None = None
         headers = forward_headers(request)
         for _ in range(max_attempts):
             picked = router.pick(hashes, tried)
@@ -447,6 +452,8 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                 router.done(name)
                 return Response(status_code=499)
             if resp.status_code == 503:  # overloaded or its engine died: try another before giving up
+                with contextlib.suppress(httpx.HTTPError):
+                    last_503 = await resp.aread()  # its reason, for the client if no replica can take it
                 await resp.aclose()
                 router.done(name)
                 router.metrics.retries.labels(name).inc()
@@ -484,6 +491,8 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                                      media_type=resp.headers.get("content-type"),
                                      headers={"Cache-Control": "no-cache", "x-kvpool-replica": name})
         router.metrics.failed.inc()
+        if last_503 is not None:  # every replica tried was overloaded: say so, as the last one did
+            return Response(last_503, status_code=503, media_type="application/json", headers={"Retry-After": "1"})
         return _error(503, "no replica could take the request; retry later")
 
     return app
@@ -574,6 +583,7 @@ def run(args: argparse.Namespace) -> None:
     router = Router(specs, tokenizer=tokenizer, block_size=args.block_size, hash_algo=args.hash_algo,
                     hash_seed=args.hash_seed, beta=args.load_weight, policy=args.policy)
     router.start()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not two lines per replica per health check
     log.info("routing to %d replicas on http://%s:%d", len(specs), args.host, args.port)
     try:
         uvicorn.run(create_app(router, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,

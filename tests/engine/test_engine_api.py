@@ -18,13 +18,17 @@ def llm(tiny_llama_dir: Path) -> LLM:
 
 @pytest.mark.parametrize(("kw", "field"), [
     (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(n=2), "n"),
     (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**kw)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm() -> None:
+    assert SamplingParams(top_k=-1).top_k == 0
 
 
 def test_bad_prompts(llm: LLM) -> None:

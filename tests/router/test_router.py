@@ -13,6 +13,7 @@ events) behind `kvpool router`, all on 127.0.0.1.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -22,10 +23,10 @@ from typing import Any
 import httpx
 import pytest
 from replicas import start_front, start_replica
-from server_helpers import leave_early, metric
+from server_helpers import leave_early, make_engine, metric
 
 from kvpool.router.app import ReplicaSpec, Router, RouterHandle
-from kvpool.server.serve import ServerHandle
+from kvpool.server.serve import ServerHandle, start_server
 
 SYSTEM = "You are a careful assistant. " * 12  # > 3 blocks of 16 tokens
 
@@ -282,3 +283,26 @@ def test_a_pin_one_replica_refuses_is_undone_on_the_others(chat_llama_dir: Path,
         front.stop()
         for h, _ in reps:
             h.stop()
+
+
+def test_an_overloaded_replicas_reason_reaches_the_client(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    h = start_server(make_engine(chat_llama_dir), served_model_name="tiny", max_pending=1)
+    front = start_front([ReplicaSpec(h.url)], chat_tokenizer)
+    gate = threading.Event()
+    h.engine.call_soon(lambda e: gate.wait(30))  # the engine holds between steps: the first request stays
+    first = threading.Thread(target=lambda: httpx.post(f"{h.url}/v1/completions", timeout=60,
+                                                       json={"prompt": "x", "max_tokens": 1}))
+    try:
+        first.start()
+        deadline = time.monotonic() + 10
+        while not h.engine.num_pending:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "y", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["message"].startswith("server overloaded"), r.text
+    finally:
+        gate.set()
+        first.join()
+        front.stop()
+        h.stop()
