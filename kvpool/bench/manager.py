@@ -40,7 +40,7 @@ def run(a: argparse.Namespace) -> dict:
     if a.repeats < 1 or a.concurrency < 1:
         raise SystemExit("--repeats and --concurrency must be >= 1")
     if a.trace:
-        trace, source = load_trace(a.trace), a.trace
+        trace, source = load_trace(a.trace, a.block_size), a.trace
     elif a.workload == "multi-turn":
         trace, source = multi_turn_trace(), "generated multi-turn"
     else:

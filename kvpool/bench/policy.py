@@ -11,9 +11,7 @@ when that folder is there. `--plot` draws hit rate against pool size, one line p
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,34 +42,30 @@ def shared_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared"
 
 
-def mooncake_trace() -> list[TraceRequest] | None:
-    """The Mooncake synthetic trace converted by the peers' script, or None where it is not here."""
-    peers = shared_dir() / "peers"
-    src, script = peers / "traces" / "mooncake_synthetic_trace.jsonl", peers / "mooncake_trace.py"
-    if not (src.exists() and script.exists()):
-        return None
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "mooncake.jsonl"
-        subprocess.run([sys.executable, str(script), str(src), str(out)], check=True, capture_output=True)
-        return load_trace(out)
+def mooncake_trace(block_size: int = 16) -> list[TraceRequest] | None:
+    """The Mooncake synthetic trace, converted as `../shared/peers/mooncake_trace.py` converts it, or None
+    where it is not here."""
+    src = shared_dir() / "peers" / "traces" / "mooncake_synthetic_trace.jsonl"
+    return load_trace(src, block_size) if src.exists() else None
 
 
-def named_trace(name: str) -> list[TraceRequest]:
+def named_trace(name: str, block_size: int = 16) -> list[TraceRequest]:
     if name == "multi-turn":
         return multi_turn_trace()
     if name == "shared-prefix":
         return shared_prefix_trace()
     if name == "mooncake":
-        t = mooncake_trace()
+        t = mooncake_trace(block_size)
         if t is None:
             raise FileNotFoundError(f"mooncake: no trace under {shared_dir() / 'peers' / 'traces'}")
         return t
-    return load_trace(name)
+    return load_trace(name, block_size)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="append", default=None,
-                   help="JSON-lines trace, or multi-turn | shared-prefix | mooncake (repeatable); "
+                   help="JSON-lines trace (make_trace's, or Mooncake's own format with hash_ids), or "
+                   "multi-turn | shared-prefix | mooncake (repeatable); "
                         "default: those three")
     p.add_argument("--num-blocks", type=int, nargs="+", default=None,
                    help="pool sizes (default: multi-turn and shared-prefix 1024 2048; mooncake and files 2048 8192)")
@@ -97,7 +91,7 @@ def cases(a: argparse.Namespace) -> list[TraceCase]:
             print(f"(mooncake skipped: no trace under {shared_dir()})", file=sys.stderr)
             continue
         sizes, conc = DEFAULTS.get(name, ([2048, 8192], 16))
-        out.append(TraceCase(name if name in DEFAULTS else Path(name).name, named_trace(name),
+        out.append(TraceCase(name if name in DEFAULTS else Path(name).name, named_trace(name, a.block_size),
                              a.num_blocks or sizes, a.concurrency or conc))
     return out
 

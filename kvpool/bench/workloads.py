@@ -1,4 +1,5 @@
-"""Request traces: JSON lines of {"id", "prompt": [ids], "decode": [ids]}, and generators for them.
+"""Request traces: JSON lines of {"id", "prompt": [ids], "decode": [ids]} (or Mooncake's published
+format, converted), and generators for them.
 
 The generators produce the two standard shapes of `../shared/peers/make_trace.py` (same parameters):
 shared-prefix (a few long system prompts, unique suffixes) and multi-turn (interleaved conversations
@@ -8,6 +9,7 @@ whose every turn resends the whole history). Deterministic for a seed.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,17 +22,64 @@ class TraceRequest(TypedDict):
     decode: list[int]
 
 
-def load_trace(path: str | Path) -> list[TraceRequest]:
+def load_trace(path: str | Path, block_size: int = 16) -> list[TraceRequest]:
+    """A trace file: make_trace's JSON lines, or a Mooncake trace as its authors publish it (lines of
+    `hash_ids`, `input_length`, `output_length`), converted by `from_mooncake` for `block_size`."""
     out: list[TraceRequest] = []
+    mooncake: list[dict] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            r = json.loads(line)
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+            if not isinstance(r, dict):
+                raise ValueError(f"{path}:{n}: a trace line must be a JSON object")
+            if "hash_ids" in r and "prompt" not in r:
+                for key in ("input_length", "output_length"):
+                    if not isinstance(r.get(key), int):
+                        raise ValueError(f"{path}:{n}: Mooncake trace line lacks an integer {key!r}")
+                mooncake.append(r)
+                continue
             for key in ("id", "prompt", "decode"):
                 if key not in r:
                     raise ValueError(f"{path}:{n}: trace line lacks {key!r}")
+            for key in ("prompt", "decode"):
+                if not isinstance(r[key], list) or not all(isinstance(t, int) for t in r[key]):
+                    raise ValueError(f"{path}:{n}: {key!r} must be a list of token ids")
             out.append(r)
+    if mooncake and out:
+        raise ValueError(f"{path}: mixes Mooncake lines (hash_ids) with make_trace lines (prompt)")
+    return from_mooncake(mooncake, block_size) if mooncake else out
+
+
+MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces
+_DECODE_BASE = 1 << 30
+
+
+def from_mooncake(records: list[dict], block_size: int = 16) -> list[TraceRequest]:
+    """Mooncake trace records as a replayable trace, one 512-token Mooncake block becoming one block of
+    `block_size` tokens: the mapping of `../shared/peers/mooncake_trace.py` (equal output at block size
+    16, checked by a test). Hash id h becomes `block_size` tokens derived from h; the last block keeps its
+    share of a partial block (so it is cached only where Mooncake's was full); outputs are scaled alike
+    and unique per request."""
+    scale = MOONCAKE_BLOCK / block_size
+    out: list[TraceRequest] = []
+    for i, r in enumerate(records):
+        ids = r["hash_ids"]
+        if not ids:
+            continue
+        rem = r["input_length"] - MOONCAKE_BLOCK * (len(ids) - 1)
+        last = max(1, min(block_size, math.ceil(rem / scale)))
+        prompt: list[int] = []
+        for k, h in enumerate(ids):
+            width = block_size if k < len(ids) - 1 else last
+            prompt.extend((h * block_size + j) % _DECODE_BASE for j in range(width))
+        n_dec = max(1, math.ceil(r["output_length"] / scale))
+        out.append(TraceRequest(id=f"mc{i}", prompt=prompt,
+                                decode=[_DECODE_BASE + (i * 97 + j) % _DECODE_BASE for j in range(n_dec)]))
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,31 @@ def test_a_request_larger_than_the_pool_is_skipped_and_the_rest_replayed() -> No
     r = replay(trace, KVCacheManager(9, 4), BlockHasher(4), concurrency=1)  # type: ignore[arg-type]
     assert (r.waited, r.preempted, r.skipped) == (0, 0, 1)
     assert (r.hit_tokens, r.prompt_tokens) == (8, 20)  # b hits a's two full blocks; big is not counted
+
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "peers"
+
+
+@pytest.mark.skipif(not (SHARED / "mooncake_trace.py").exists(), reason="needs ../shared/peers")
+def test_mooncakes_own_format_is_read_as_the_peers_script_converts_it(tmp_path: Path) -> None:
+    src = SHARED / "traces" / "mooncake_synthetic_trace.jsonl"
+    converted = tmp_path / "mc.jsonl"
+    subprocess.run([sys.executable, str(SHARED / "mooncake_trace.py"), str(src), str(converted)], check=True,
+                   capture_output=True)
+    ours = load_trace(src)
+    assert len(ours) == 3993 and ours == load_trace(converted)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"id": "a", "prompt": "hello", "decode": []}\n', "'prompt' must be a list of token ids"),
+    ("not json\n", "bad.jsonl:1: not a JSON line"),
+    ('[1, 2]\n', "a trace line must be a JSON object"),
+    ('{"hash_ids": [1], "input_length": 10}\n', "lacks an integer 'output_length'"),
+    ('{"hash_ids": [1], "input_length": 10, "output_length": 2}\n{"id": "a", "prompt": [1], "decode": []}\n',
+     "mixes Mooncake lines"),
+])
+def test_a_bad_trace_line_is_named(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_trace(p)

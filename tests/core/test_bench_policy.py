@@ -45,13 +45,13 @@ def test_unknown_policy_is_refused() -> None:
 
 def test_default_traces_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     # Without --trace: the three standard traces at the sizes and concurrencies of the targets.
-    monkeypatch.setattr(bench_policy, "named_trace", lambda name: [])
+    monkeypatch.setattr(bench_policy, "named_trace", lambda name, block_size: [])
     monkeypatch.setattr(bench_policy, "shared_dir", lambda: Path(__file__).parent)  # no Mooncake here
-    a = argparse.Namespace(trace=None, num_blocks=None, concurrency=None)
+    a = argparse.Namespace(trace=None, num_blocks=None, concurrency=None, block_size=16)
     got = [(c.name, c.num_blocks, c.concurrency) for c in bench_policy.cases(a)]
     assert got == [("multi-turn", [1024, 2048], 4), ("shared-prefix", [1024, 2048], 4)]
     if (Path(__file__).resolve().parents[2].parent / "shared" / "peers" / "traces").exists():
         monkeypatch.undo()
-        monkeypatch.setattr(bench_policy, "named_trace", lambda name: [])
+        monkeypatch.setattr(bench_policy, "named_trace", lambda name, block_size: [])
         got = [(c.name, c.num_blocks, c.concurrency) for c in bench_policy.cases(a)]
         assert got[-1] == ("mooncake", [2048, 8192], 16)
