@@ -23,9 +23,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -39,12 +39,12 @@ from kvpool.router.admin import add_admin_routes, forward_headers
 from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.subscriber import EventSubscriber
-from kvpool.server.errors import APIError, add_error_handlers, read_raw
+from kvpool.server.errors import APIError, add_error_handlers, read_raw, until_disconnected
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+
 
 @dataclass
 class ReplicaSpec:
@@ -442,13 +442,13 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             try:
                 req = client.build_request("POST", f"{name}{path}", content=raw, headers=headers)
                 # A non-streaming answer's headers come when it is complete: watch the client meanwhile.
-                sent, resp = await _unless_gone(client.send(req, stream=True), request)
+                sent, resp = await until_disconnected(client.send(req, stream=True), request)
             except httpx.HTTPError:
                 router.done(name)
                 router.mark_down(name)
                 router.metrics.retries.labels(name).inc()
                 continue
-            if not sent:  # the client left; the send was cancelled, which aborts the request there
+            if not sent or resp is None:  # the client left; the send was cancelled, which aborts it there
                 router.done(name)
                 return Response(status_code=499)
             if resp.status_code == 503:  # overloaded or its engine died: try another before giving up
@@ -460,14 +460,14 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                 continue
             if not stream:
                 try:
-                    read, content = await _unless_gone(resp.aread(), request)
+                    read, content = await until_disconnected(resp.aread(), request)
                 except httpx.HTTPError:  # died mid-answer: the client has seen nothing yet
                     await resp.aclose()
                     router.done(name)
                     router.mark_down(name)
                     router.metrics.retries.labels(name).inc()
                     continue
-                if not read:  # the client left: closing the connection aborts the request there
+                if not read or content is None:  # the client left: closing the connection aborts it there
                     await resp.aclose()
                     router.done(name)
                     return Response(status_code=499)
@@ -496,25 +496,6 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         return _error(503, "no replica could take the request; retry later")
 
     return app
-
-
-async def _unless_gone(work: Awaitable[T], request: Request) -> tuple[bool, T | None]:
-    """(True, what `work` gives), or (False, None) as soon as the client has disconnected, `work` then
-    cancelled (an upstream request cancelled or closed mid-answer aborts it on the replica, and frees its
-    blocks there). `work`'s own exception propagates."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return True, task.result()
-            if await request.is_disconnected():
-                return False, None
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await task
 
 
 async def _relay(first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, router: Router, name: str

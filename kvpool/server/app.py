@@ -29,7 +29,14 @@ from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
-from kvpool.server.errors import ERROR_TYPES, APIError, ClientDisconnected, add_error_handlers, read_raw
+from kvpool.server.errors import (
+    ERROR_TYPES,
+    APIError,
+    ClientDisconnected,
+    add_error_handlers,
+    read_raw,
+    until_disconnected,
+)
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
@@ -155,21 +162,16 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             assert out is not None
             return out
 
-        task = asyncio.ensure_future(last())
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    raise ClientDisconnected
+            done, out = await until_disconnected(last(), request)
+            if not done or out is None:
+                raise ClientDisconnected
+            return out
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         except ValueError as e:  # refused on the engine thread when queued (e.g. a request id in use)
             raise APIError.from_value_error(e) from None
         finally:
-            if not task.done():
-                task.cancel()
             stream.abort()
 
     def sse(stream: RequestStream, chunk: Callable[[str, RequestOutput | None, bool], dict[str, Any]],

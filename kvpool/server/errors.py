@@ -1,9 +1,14 @@
-"""Errors as the OpenAI API shapes them ({"error": {"message", "type", "param", "code"}}), shared by the
-server, the omni server and the router (which must not import the engine): the error type, the
-handlers that turn every exception into one, and reading a body under a size limit.
+"""What the server, the omni server and the router (which must not import the engine) share about a
+client: errors as the OpenAI API shapes them ({"error": {"message", "type", "param", "code"}}), the
+handlers that turn every exception into one, reading a body under a size limit, and waiting for work
+while watching whether the client is still there.
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -53,6 +58,34 @@ async def read_raw(request: Request, max_bytes: int) -> bytes:
         if len(raw) > max_bytes:
             raise APIError(413, f"body: over the limit of {max_bytes} bytes")
     return bytes(raw)
+
+
+T = TypeVar("T")
+
+
+async def until_disconnected(work: Awaitable[T], request: Request, poll_s: float = 0.25) -> tuple[bool, T | None]:
+    """(True, what `work` gives), or (False, None) as soon as the client has disconnected; `work` is then
+    cancelled (for a request to a replica, cancelling or closing it mid-answer makes the replica abort it
+    and free its blocks). `work`'s own exception propagates."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return True, task.result()
+            if await request.is_disconnected():
+                return False, None
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task  # let it wind down (an upstream connection closed) before the caller goes on
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # not its cancellation but ours: pass it on
+            except Exception:  # its own failure is moot once the client has gone
+                pass
 
 
 def add_error_handlers(app: FastAPI) -> None:
