@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             run(args, engine_kwargs(args))
         else:
             run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, a missing or unreadable file: one line, no traceback
         print(f"kvpool: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> dict:
     if a.repeats < 1 or a.concurrency < 1:
         raise SystemExit("--repeats and --concurrency must be >= 1")
+    if a.num_blocks < 2:
+        raise ValueError(f"num_blocks: must be >= 2, got {a.num_blocks}")
+    if a.host_blocks < 0:
+        raise ValueError(f"host_blocks: must be >= 0, got {a.host_blocks}")
     if a.trace:
         trace, source = load_trace(a.trace, a.block_size), a.trace
     elif a.workload == "multi-turn":

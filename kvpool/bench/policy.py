@@ -92,12 +92,22 @@ def cases(a: argparse.Namespace) -> list[TraceCase]:
             continue
         sizes, conc = DEFAULTS.get(name, ([2048, 8192], 16))
         out.append(TraceCase(name if name in DEFAULTS else Path(name).name, named_trace(name, a.block_size),
-                             a.num_blocks or sizes, a.concurrency or conc))
+                             a.num_blocks or sizes, conc if a.concurrency is None else a.concurrency))
     return out
 
 
 def run(a: argparse.Namespace) -> dict:
+    if a.concurrency is not None and a.concurrency < 1:
+        raise ValueError(f"concurrency: must be >= 1, got {a.concurrency}")
+    if a.num_blocks is not None and min(a.num_blocks) < 2:
+        raise ValueError(f"num_blocks: every pool size must be >= 2, got {a.num_blocks}")
+    if a.host_blocks < 0:
+        raise ValueError(f"host_blocks: must be >= 0, got {a.host_blocks}")
+    if a.block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {a.block_size}")
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    if not policies:
+        raise ValueError(f"policies: name at least one of {policy_names()}")
     for p in policies:
         if p not in policy_names():
             raise ValueError(f"--policies: {p!r} is not one of {policy_names()}")

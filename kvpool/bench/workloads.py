@@ -39,8 +39,10 @@ def load_trace(path: str | Path, block_size: int = 16) -> list[TraceRequest]:
                 raise ValueError(f"{path}:{n}: a trace line must be a JSON object")
             if "hash_ids" in r and "prompt" not in r:
                 for key in ("input_length", "output_length"):
-                    if not isinstance(r.get(key), int):
-                        raise ValueError(f"{path}:{n}: Mooncake trace line lacks an integer {key!r}")
+                    if not isinstance(r.get(key), int) or r[key] < 0:
+                        raise ValueError(f"{path}:{n}: Mooncake trace line lacks an integer {key!r} >= 0")
+                if not isinstance(r["hash_ids"], list) or not all(isinstance(h, int) for h in r["hash_ids"]):
+                    raise ValueError(f"{path}:{n}: 'hash_ids' must be a list of ints")
                 mooncake.append(r)
                 continue
             for key in ("id", "prompt", "decode"):
@@ -52,7 +54,10 @@ def load_trace(path: str | Path, block_size: int = 16) -> list[TraceRequest]:
             out.append(r)
     if mooncake and out:
         raise ValueError(f"{path}: mixes Mooncake lines (hash_ids) with make_trace lines (prompt)")
-    return from_mooncake(mooncake, block_size) if mooncake else out
+    trace = from_mooncake(mooncake, block_size) if mooncake else out
+    if not trace:
+        raise ValueError(f"{path}: the trace holds no request")
+    return trace
 
 
 MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces

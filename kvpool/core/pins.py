@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,8 +80,13 @@ class PinSet:
 
         Raises PrefixNotCached if any of them is not cached, ValueError if the pin would exceed the
         budget; either way nothing changes."""
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl: must be > 0 seconds, got {ttl}")
+        if ttl is not None:
+            # NaN would sit at the top of the expiry heap forever (no comparison is true) and stop every
+            # later pin from expiring; a string would fail deep in the heap.
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or math.isnan(ttl) or ttl <= 0:
+                raise ValueError(f"ttl: must be a number of seconds > 0 (or None: until unpinned), got {ttl!r}")
+            if math.isinf(ttl):
+                ttl = None
         if not hashes:
             raise ValueError("pin_prefix: the prefix holds no full block; nothing to pin")
         self.expire(now)

@@ -57,7 +57,7 @@ class CacheConfig:
     hash_algo: str = option("sha256", "block hash function", choices=("sha256", "xxh3_128"))
     hash_seed: str | None = None
     enable_kv_events: bool = False
-    swap_space: int | str | float = option(0, "host KV tier size (bytes, or e.g. 4GiB); 0 disables it")
+    swap_space: int | str | float = option(0, "host KV tier size (bytes, or e.g. 4GiB); 0 disables it", type=str)
     num_host_blocks: int | None = None  # overrides swap_space (tests)
     host_eviction: str = option("lru", "host tier eviction policy", choices=_host_policies)
     eviction_policy: str = option("lru", "device tier eviction policy (see kvpool bench policy)",

@@ -29,6 +29,7 @@ from kvpool.core.stats import PrefixCacheStats
 from kvpool.engine.config import EngineConfig, parse_size
 from kvpool.engine.lora_request import LoRARegistry, LoRARequest
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
+from kvpool.engine.prompts import normalize_prompt
 from kvpool.engine.request import Request, RequestStatus
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
@@ -194,7 +195,8 @@ class LLMEngine:
         if self.kv.num_groups != 1:
             raise ValueError(f"pin_prefix: supported for models with one layer group (this one has "
                              f"{self.kv.num_groups})")
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt = normalize_prompt(prompt)
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise ValueError("pin_prefix: empty prompt")
         # What a request's prompt must satisfy: the prefix is computed as one when it is not cached, and
@@ -294,7 +296,11 @@ class LLMEngine:
                      cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
                      mm_inputs: Sequence[MMInput] = (), lora_request: LoRARequest | None = None) -> Request:
         """Validate, tokenize and hash a request without queueing it (safe off the engine's thread)."""
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: the caller may have changed a field since it was made
+        prompt = normalize_prompt(prompt)
         lora_name = None
         if lora_request is not None:
             if lora_id is not None:
@@ -353,6 +359,22 @@ class LLMEngine:
             held.status = RequestStatus.FINISHED_ABORTED
         self._forget(request_id)
         return req is not None or held is not None
+
+    def recover(self) -> None:
+        """After a step raised or was interrupted (an exception, Ctrl-C): abort every request, and forget
+        every cached block. Blocks are cached when they are scheduled, before the forward writes them, so
+        a step that did not finish may have left cached blocks half-written; a later request must never
+        hit one (a wrong token). Pins are dropped with them. The engine then serves as a fresh one would."""
+        for rid in list(self.scheduler.requests):
+            self.abort_request(rid)
+        if self.store is not None:
+            for rid in self.store.held_ids():
+                self.abort_request(rid)
+        self.pins.clear()
+        for _ in range(2):  # hand out the failed step's copies and the next one's: the host tier lets go
+            self.kv.end_schedule_step()
+        if not self.kv.reset_prefix_cache():
+            raise RuntimeError("the engine could not be reset after a failed step; create a new one")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (self.store is not None and self.store.num_held() > 0)

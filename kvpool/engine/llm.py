@@ -10,6 +10,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.prompts import is_single_prompt
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
 
@@ -35,9 +36,10 @@ class LLM:
         `mm_inputs[i]`: the images or ready embeddings of prompt i (see kvpool.runner.multimodal).
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model); needs
         `LLM(..., enable_lora=True)`."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
+        if is_single_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
+        elif not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)  # type: ignore[arg-type]
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
@@ -62,7 +64,13 @@ class LLM:
 
     def unpin(self, pin: Pin | str) -> bool:
         """Release a pin (its blocks become evictable); False if it had already ended."""
-        return self.engine.unpin(pin if isinstance(pin, str) else pin.pin_id)
+        if isinstance(pin, Pin):
+            if self.engine.pins.pins.get(pin.pin_id) is not pin:
+                return False  # ended, or another engine's pin (ids are per engine)
+            return self.engine.unpin(pin.pin_id)
+        if not isinstance(pin, str):
+            raise TypeError(f"pin: expected a Pin or a pin id, got {type(pin).__name__}")
+        return self.engine.unpin(pin)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -102,6 +110,9 @@ class LLM:
                         results[order[out.request_id]] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:  # a failed or interrupted step: leave an engine the next call can use
+            eng.recover()
+            raise
         finally:
             if bar is not None:
                 bar.close()

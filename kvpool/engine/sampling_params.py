@@ -20,12 +20,23 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
         self.validate()
 
     def validate(self) -> None:
+        """Check every field (and bring `stop` to a list); the engine calls it again at each request,
+        since a field may be changed after construction."""
+        if self.stop is None or isinstance(self.stop, str):
+            self.stop = [self.stop] if self.stop else []
+        elif isinstance(self.stop, list | tuple):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop: a string or a list of strings, got {type(self.stop).__name__}")
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"stop_token_ids: a list of token ids, got {type(self.stop_token_ids).__name__}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+
         def number(name: str) -> float:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):

@@ -13,13 +13,18 @@ class SamplingLike(Protocol):
     top_k: int
 
 
+# Below this temperature a row is greedy (vLLM's rule): dividing logits by 1e-300 would overflow to
+# inf and the softmax to NaN, and no sampler tells such a temperature from 0 anyway.
+SAMPLING_EPS = 1e-5
+
+
 def sample(logits: torch.Tensor, params: list[SamplingLike],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id)."""
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for i, p in enumerate(params):
-        if p.temperature <= 0.0:
+        if p.temperature < SAMPLING_EPS:
             out.append(greedy[i])
             continue
         row = logits[i] / p.temperature

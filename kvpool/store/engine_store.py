@@ -95,6 +95,9 @@ class EngineStore:
     def num_held(self) -> int:
         return len(self._held)
 
+    def held_ids(self) -> list[str]:
+        return list(self._held)
+
     def hold(self, req: Any) -> bool:
         """Start reading the request's blocks past its local hit; True when it must wait for them."""
         if not self.kv.enable_caching or not req.block_hashes:

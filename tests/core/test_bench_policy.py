@@ -55,3 +55,18 @@ def test_default_traces_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(bench_policy, "named_trace", lambda name, block_size: [])
         got = [(c.name, c.num_blocks, c.concurrency) for c in bench_policy.cases(a)]
         assert got[-1] == ("mooncake", [2048, 8192], 16)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "policy", "--trace", "multi-turn", "--concurrency", "-3"], "concurrency: must be >= 1, got -3"),
+    (["bench", "policy", "--trace", "multi-turn", "--policies", ","], "policies: name at least one of"),
+    (["bench", "policy", "--trace", "multi-turn", "--num-blocks", "0"], "num_blocks: every pool size must be >= 2"),
+    (["bench", "manager", "--num-blocks", "0"], "num_blocks: must be >= 2, got 0"),
+    (["bench", "manager", "--trace", "."], "Is a directory"),
+])
+def test_bad_bench_arguments_are_one_line_errors(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.cli import main
+
+    assert main(argv) == 2  # refused before any replay (a negative concurrency used to loop forever)
+    assert message in capsys.readouterr().err

@@ -113,6 +113,6 @@ def test_repin_refreshes_ttl_and_unpin_releases_tail_first() -> None:
     # Released like a finished request: the tail of the chain is evicted before its head.
     order = mgr.block_pool.free_block_ids()
     assert order.index(3) < order.index(2) < order.index(1)
-    with pytest.raises(ValueError, match="ttl: must be > 0 seconds"):
+    with pytest.raises(ValueError, match="ttl: must be a number of seconds > 0"):
         pins.pin(hashes(SYSTEM), now=0.0, ttl=0)
     assert not mgr.reset_prefix_cache() or pins.num_pinned_blocks == 0

@@ -104,3 +104,10 @@ def test_a_new_field_is_a_new_flag() -> None:
     assert Extra(**values(Extra, args)) == Extra(["a=/x", "b=/y"], 4, "/m")
     assert Extra(**values(Extra, p.parse_args([]))) == Extra()
     assert "--internal" not in flags(p) and "adapters in one batch (default: 1)" in p.format_help()
+
+
+def test_sizes_with_units_are_taken_by_every_size_flag() -> None:
+    # --swap-space defaults to 0 (an int): its flag must still take "4GiB", as its help says.
+    args = build_parser().parse_args(["generate", "hi", "--swap-space", "1GiB", "--kv-cache-memory", "64MiB"])
+    cfg = EngineConfig(**engine_kwargs(args))
+    assert cfg.swap_space_bytes() == 1 << 30

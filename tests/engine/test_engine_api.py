@@ -110,3 +110,63 @@ def test_stats_and_prefix_cache_reset_through_the_public_api(llm: LLM) -> None:
     assert after.num_blocks == eng.kv.block_pool.num_blocks and after.host_usage is None and not eng.has_host_tier
     assert eng.reset_prefix_cache()
     assert eng.list_pins() == [] and after.num_pins == 0
+
+
+def test_prompts_in_every_form_a_caller_has(llm: LLM) -> None:
+    import numpy as np
+    import torch
+
+    want = llm.generate([[5, 6, 7]], SamplingParams.greedy(4), use_tqdm=False)[0].token_ids
+    for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)],
+                   (5, 6, 7), {"prompt_token_ids": [5, 6, 7]}):
+        assert llm.generate(prompt, SamplingParams.greedy(4), use_tqdm=False)[0].token_ids == want, prompt
+    for bad in (None, 5, b"hello", [[1, "a"]], [[[1, 2]]], {"ids": [1]}):
+        with pytest.raises(TypeError, match=r"^prompts?: "):
+            llm.generate(bad, use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^sampling_params: expected SamplingParams, got dict"):
+        llm.generate([[1, 2]], [{"max_tokens": 3}], use_tqdm=False)  # type: ignore[list-item]
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage == 0
+
+
+def test_a_field_changed_after_construction_is_checked_again(llm: LLM) -> None:
+    sp = SamplingParams.greedy(4)
+    sp.stop = 5  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"^stop: a string or a list of strings"):
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    sp = SamplingParams.greedy(4)
+    sp.temperature = -1
+    with pytest.raises(ValueError, match=r"^temperature"):
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    assert llm.generate([[1, 2, 3]], SamplingParams.greedy(2), use_tqdm=False)[0].token_ids
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate([[5, 6, 7]], SamplingParams.greedy(6), use_tqdm=False)[0].token_ids
+    tiny = llm.generate([[5, 6, 7]], SamplingParams(temperature=1e-300, max_tokens=6), use_tqdm=False)[0]
+    assert tiny.token_ids == greedy
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("a kernel failed"), KeyboardInterrupt()])
+def test_a_step_that_fails_leaves_an_engine_that_serves(llm: LLM, failure: BaseException,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = llm.engine
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 1, 2]]
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(8), use_tqdm=False)]
+    real = eng.runner.execute
+    calls = 0
+
+    def fails_on_the_third(*a: object, **kw: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise failure
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", fails_on_the_third)
+    with pytest.raises(type(failure)):
+        llm.generate(prompts, SamplingParams.greedy(8), use_tqdm=False)
+    # Nothing left running, nothing cached that the failed step may have half-written, and the next call
+    # (no hang) gives the same tokens as before.
+    assert not eng.has_unfinished_requests() and eng.kv.usage == 0
+    assert eng.kv.block_pool.num_cached_blocks() == 0
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(8), use_tqdm=False)] == want

@@ -65,3 +65,19 @@ def test_outputs_do_not_depend_on_the_eviction_policy(tiny_llama_dir: Path) -> N
         got += [o.token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)]
         want = want or got
         assert got == want, policy
+
+
+def test_ttls_that_are_not_a_duration_and_pins_of_another_engine(tiny_llama_dir: Path) -> None:
+    a, b = make(tiny_llama_dir), make(tiny_llama_dir)
+    for ttl in (float("nan"), 0, -1, "10", True):
+        with pytest.raises(ValueError, match=r"^ttl: must be a number of seconds > 0"):
+            a.pin_prefix(toks(1, 8), ttl=ttl)  # type: ignore[arg-type]
+    forever = a.pin_prefix(toks(1, 8), ttl=float("inf"))
+    assert forever.expires_at is None
+    # Pin ids are per engine (both are "pin-1"): b's pin does not unpin a's.
+    theirs = b.pin_prefix(toks(2, 8))
+    assert theirs.pin_id == forever.pin_id
+    assert a.unpin(theirs) is False and a.engine.pins.num_pinned_blocks == 2
+    assert a.unpin(forever) is True and a.engine.pins.num_pinned_blocks == 0
+    with pytest.raises(TypeError, match=r"^pin: expected a Pin or a pin id"):
+        a.unpin(None)  # type: ignore[arg-type]
