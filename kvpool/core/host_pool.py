@@ -207,10 +207,11 @@ class HostBlockPool(BlockPool):
 
     # -- sheltering ---------------------------------------------------------------------------------
 
-    def shelter(self, block_hash: BlockHash, token_ids: list[int] | None = None, block_size: int = 0
-                ) -> KVCacheBlock | None:
-        """Make room for a copy of a block holding `block_hash`; None if the tier already holds it
-        or every host block is pinned. The returned block is pinned until the step's copies run."""
+    def shelter(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
+        """Make room for a copy of a block holding `block_hash` (a key of layer group `group_id`: its
+        removal events name the group and the raw hash, as the device pool's do); None if the tier
+        already holds it or every host block is pinned. The returned block is pinned until the step's
+        copies run."""
         have = self.cached.get(block_hash)
         if have is not None:
             # Already here (written through, or sheltered and swapped back in): refresh it.
@@ -227,6 +228,7 @@ class HostBlockPool(BlockPool):
             on_miss(block_hash)
         (blk,) = self.get_new_blocks(1)
         blk.block_hash = block_hash
+        blk.group_id = group_id
         self.cached[block_hash] = blk
         if self.policy.observes:
             self.policy.on_cached(blk, 0, None)  # the host tier keeps no chain: no depth, no parent

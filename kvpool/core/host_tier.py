@@ -85,7 +85,7 @@ class HostTier:
 
     def _shelter(self, page_type: int, block: KVCacheBlock, key: BlockHash) -> None:
         """Device eviction listener: copy the evicted block's content to the host tier."""
-        hb = self.pools[page_type].shelter(key)
+        hb = self.pools[page_type].shelter(key, block.group_id)
         if hb is None:
             return
         self._add(self._plan.swap_out, self._plan.typed_out, page_type, block.block_id, hb.block_id)
@@ -98,7 +98,7 @@ class HostTier:
         for blk in blocks:
             if blk.block_hash is None or blk.is_null:
                 continue
-            hb = pool.shelter(blk.block_hash)
+            hb = pool.shelter(blk.block_hash, blk.group_id)
             if hb is not None:
                 self._next_out.append((page_type, blk.block_id, hb.block_id))
                 self._next_pinned.append((page_type, hb))

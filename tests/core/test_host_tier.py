@@ -175,3 +175,27 @@ def test_swap_in_sources_are_pinned_against_same_step_evictions() -> None:
     assert plan.swap_out == []
     assert mgr.host_pool.cached[a.block_hashes[0]].block_id == 1
     mgr.check_integrity()
+
+
+def test_host_events_of_a_second_layer_group_name_it_and_its_raw_hash() -> None:
+    # Full attention + sliding window: group 1's host keys carry a group byte. Its host BlockRemoved must
+    # say what its BlockStored said (the raw 32-byte hash, group 1), or an indexer never drops the block.
+    from kvpool.core.events import BlockRemoved, BlockStored
+    from kvpool.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+
+    bs = 4
+    mgr = KVCacheManager(5, bs, specs=[FullAttentionSpec(block_size=bs), SlidingWindowSpec(block_size=bs,
+                                                                                           sliding_window=4)],
+                         num_host_blocks=2, enable_kv_events=True)
+    for i in range(4):  # each request caches one full block per group, pushing the last one's to the host
+        r = make_request(f"r{i}", [100 * i + j for j in range(5)], bs)
+        hit, n = mgr.get_computed_blocks(r)
+        assert mgr.allocate_slots(r, 5 - n, n, hit) is not None
+        r.num_computed_tokens = 5
+        mgr.free(r)
+        mgr.end_schedule_step()
+    host = [e for e in mgr.take_events() if e.medium == "CPU"]
+    stored = {(e.group_id, h) for e in host if isinstance(e, BlockStored) for h in e.block_hashes}
+    removed = [(e.group_id, h) for e in host if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert {g for g, _ in removed} == {0, 1} and len(removed) == 4
+    assert all(len(h) == 32 for _, h in removed) and set(removed) <= stored
