@@ -7,12 +7,15 @@ free); a failed allocation changes nothing; at the end every block is free again
 
 from __future__ import annotations
 
+from collections import Counter
+
 from helpers import snapshot
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.core.block import group_key
+from kvpool.core.block import group_key, raw_hash
+from kvpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.core.eviction import policy_names
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
@@ -253,6 +256,45 @@ class CrossAttentionMachine(PoolMachine):
         return KVCacheManager(num_blocks=8, block_size=BS, specs=specs, page_sizes=[3, 2, 2])
 
 
+class EventsMachine(PoolMachine):
+    """KV events replayed by a subscriber: what was stored minus what was removed, per (tier, group,
+    hash), is exactly what each tier's blocks hold (the events module's promise to indexers and routers),
+    with a host tier behind full + sliding + state groups (keys carrying their group) and write-through."""
+
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_blocks=24, block_size=BS, specs=HYBRID, num_host_blocks=10, write_through=True,
+                              enable_kv_events=True)
+
+    @invariant()
+    def events_tell_what_every_tier_holds(self) -> None:
+        if not hasattr(self, "copies"):
+            self.copies: Counter[tuple[str, int, bytes]] = Counter()
+        for ev in self.mgr.take_events():
+            if isinstance(ev, BlockStored | BlockRemoved):
+                for h in ev.block_hashes:
+                    self.copies[(ev.medium, ev.group_id, h)] += 1 if isinstance(ev, BlockStored) else -1
+            elif isinstance(ev, AllBlocksCleared):
+                for k in [k for k in self.copies if k[0] == ev.medium]:
+                    del self.copies[k]
+        pools = {id(m.block_pool): m.block_pool for m in self.mgr.managers}
+        tiers = [("GPU", p) for p in pools.values()]
+        if self.mgr.host is not None:
+            tiers += [("CPU", p) for p in self.mgr.host.pools]
+        held = Counter((medium, b.group_id, raw_hash(b.block_hash, b.group_id))
+                       for medium, p in tiers for b in p.blocks if b.block_hash is not None)
+        assert +self.copies == held and not -self.copies, (
+            f"events say {+self.copies - held}, blocks hold {held - +self.copies}")
+
+
+class StateRetentionMachine(PoolMachine):
+    """Mamba states kept at every block boundary of a prompt (within a budget of 2 per request), as the
+    engine keeps them every 512 tokens by default, with a host tier."""
+
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_blocks=24, block_size=BS, specs=HYBRID, num_host_blocks=10,
+                              state_retention_interval=1, state_retention_budget=2)
+
+
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestHostTier = HostTierMachine.TestCase
@@ -271,6 +313,10 @@ TestTwoLevelHostTier = TwoLevelHostTierMachine.TestCase
 TestTwoLevelHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestCrossAttention = CrossAttentionMachine.TestCase
 TestCrossAttention.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestEvents = EventsMachine.TestCase
+TestEvents.settings = settings(max_examples=80, stateful_step_count=60, deadline=None)
+TestStateRetention = StateRetentionMachine.TestCase
+TestStateRetention.settings = settings(max_examples=80, stateful_step_count=60, deadline=None)
 
 
 # Every registered policy under the same interleavings (LRU runs above): plain, with a host tier using
