@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from kvpool.bench.multiturn import arrival_order, conversations, take_idle
+from kvpool.bench.plots import plot_path, ttft_per_turn
 from kvpool.bench.report import emit, format_table
 
 SYSTEMS = ("round-robin", "round-robin+store", "router", "router+store", "ceiling")
@@ -257,35 +258,6 @@ def _p99(xs: list[float]) -> float:
     return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-def plot(path: str, systems: dict[str, dict[str, Any]]) -> None:
-    """TTFT per turn, one line per system (drawn with Pillow: no plotting library needed)."""
-    from PIL import Image, ImageDraw
-
-    lines = {n: s["ttft_mean_ms_by_turn"] for n, s in systems.items() if s.get("ttft_mean_ms_by_turn")}
-    w, h, m = 720, 420, 60
-    img = Image.new("RGB", (w, h), "white")
-    d = ImageDraw.Draw(img)
-    turns = sorted({int(t) for v in lines.values() for t in v})
-    ymax = max((v for s in lines.values() for v in s.values()), default=1.0) * 1.1
-    d.line([(m, m), (m, h - m), (w - m, h - m)], fill="black")
-    d.text((m, 20), "TTFT (ms) per turn", fill="black")
-    for i in range(5):
-        y = h - m - i * (h - 2 * m) / 4
-        d.text((5, y - 6), f"{ymax * i / 4:.0f}", fill="black")
-    span = max(1, len(turns) - 1)
-    for t in turns:
-        d.text((m + t * (w - 2 * m) / span - 3, h - m + 8), str(t + 1), fill="black")
-    colors = ["#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
-    for k, (name, pts) in enumerate(lines.items()):
-        xy = [(m + int(t) * (w - 2 * m) / span, h - m - v / ymax * (h - 2 * m))
-              for t, v in sorted(pts.items(), key=lambda kv: int(kv[0]))]
-        col = colors[k % len(colors)]
-        if len(xy) > 1:
-            d.line(xy, fill=col, width=3)
-        d.text((w - m - 150, m + 16 * k), name, fill=col)
-    img.save(path)
-
-
 def _store_server(a: argparse.Namespace) -> tuple[Any, str]:
     """The shared store: `--kv-store URL` if given, else a private redis-server on loopback."""
     from kvpool.store.server import RedisServer, find_server_binary
@@ -405,6 +377,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from kvpool.runner.model_files import resolve_model
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
+    plot_path(a.plot)
     names = [s.strip() for s in a.systems.split(",") if s.strip()]
     for n in names:
         if n not in SYSTEMS:
@@ -474,6 +447,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         table += (f"\nrestart: replica hit rate {rs['hit_rate_before']:.1%} before, {rs['hit_rate_after']:.1%} after "
                   f"(ratio {rs['ratio']:.2f}; {rs['store_blocks_after']} blocks from the store)")
     if a.plot:
-        plot(a.plot, sysd)
+        ttft_per_turn(a.plot, sysd, "TTFT per turn: two replicas, routing and the shared store")
     emit(table, out, a.json)
     return out

@@ -245,7 +245,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if any(c < 1 for c in contexts):
             raise ValueError(f"contexts: every length must be >= 1, got {contexts}")
     cases = []
-    for name in [m.strip() for m in a.models.split(",") if m.strip()]:
+    names = [m.strip() for m in a.models.split(",") if m.strip()]
+    if not names:
+        raise ValueError(f"models: name at least one of {', '.join(MODELS)}")
+    for name in names:
         cfg = load_config(name)
         budget = parse_size(a.budget or cfg.get("budget", "80GiB"), "budget")
         for context, image in cases_of(cfg, contexts):

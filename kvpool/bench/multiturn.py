@@ -21,6 +21,7 @@ import statistics
 import time
 from typing import Any
 
+from kvpool.bench.plots import plot_path, ttft_per_turn
 from kvpool.bench.report import emit, format_table
 
 
@@ -36,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="no-cache,device,device+host,device+host-write-through,unlimited")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT per turn, one line per system")
 
 
 def _span(s: str) -> tuple[int, int]:
@@ -158,6 +160,7 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
 
 
 def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
+    plot_path(a.plot)
     names = [s.strip() for s in a.systems.split(",") if s.strip()]
     systems: dict[str, dict] = {}
     outs: dict[str, list[list[int]]] = {}
@@ -192,5 +195,8 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     by_turn = "\n".join(
         f"{n}: TTFT ms by turn " + ", ".join(f"{t}: {v:.0f}" for t, v in s["ttft_mean_ms_by_turn"].items())
         for n, s in systems.items())
+    if a.plot:
+        ttft_per_turn(a.plot, systems)
+        by_turn += f"\nplot: {a.plot}"
     emit(table + "\n" + by_turn, result, a.json)
     return result

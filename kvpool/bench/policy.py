@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.bench.belady import belady_hit_rate
+from kvpool.bench.plots import hit_rate_vs_pool, plot_path
 from kvpool.bench.replay import replay
 from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import TraceRequest, load_trace, multi_turn_trace, shared_prefix_trace
@@ -97,6 +98,7 @@ def cases(a: argparse.Namespace) -> list[TraceCase]:
 
 
 def run(a: argparse.Namespace) -> dict:
+    plot_path(a.plot)
     if a.concurrency is not None and a.concurrency < 1:
         raise ValueError(f"concurrency: must be >= 1, got {a.concurrency}")
     if a.num_blocks is not None and min(a.num_blocks) < 2:
@@ -145,35 +147,7 @@ def run(a: argparse.Namespace) -> dict:
     out = dict(system="kvpool", bench="policy", block_size=a.block_size, host_blocks=a.host_blocks,
                host_eviction=a.host_eviction, results=results)
     if a.plot:
-        plot(results, a.plot)
+        hit_rate_vs_pool(results, a.plot)
         table += f"\nplot: {a.plot}"
     emit(table, out, a.json)
     return out
-
-
-def plot(results: list[dict], path: str) -> None:
-    """One panel per trace: hit rate against pool size, a line per policy, Belady dashed on top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = list(dict.fromkeys(r["trace"] for r in results))
-    fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
-    for ax, t in zip(axes[0], traces, strict=True):
-        rs = [r for r in results if r["trace"] == t]
-        for pol in dict.fromkeys(r["policy"] for r in rs):
-            pts = sorted((r["num_blocks"], r["hit_rate"]) for r in rs if r["policy"] == pol)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=pol)
-        opt = sorted({(r["num_blocks"], r["belady_hit_rate"]) for r in rs if r["belady_hit_rate"] is not None})
-        if opt:
-            ax.plot([x for x, _ in opt], [y for _, y in opt], "k--", marker="x", label="Belady (offline optimum)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("pool size (blocks)")
-        ax.set_ylabel("prefix-cache hit rate (tokens)")
-        ax.set_title(f"{t} (concurrency {rs[0]['concurrency']})")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -8,6 +8,7 @@ A section's fields define the `kvpool` command line's engine flags too (their na
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from kvpool.flags import add_flags, option, values
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
 def parse_size(value: str | int | float, field: str = "kv_cache_memory") -> int:
@@ -23,12 +24,12 @@ def parse_size(value: str | int | float, field: str = "kv_cache_memory") -> int:
     if isinstance(value, int | float) and not isinstance(value, bool):
         num, unit = float(value), ""
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{field}: cannot read {value!r} as a size (examples: 2GiB, 512MiB, 1073741824)")
         num, unit = float(m.group(1)), m.group(2).lower()
-    if num <= 0:
-        raise ValueError(f"{field}: must be > 0, got {value!r}")
+    if not math.isfinite(num) or num <= 0:
+        raise ValueError(f"{field}: must be a finite size > 0, got {value!r}")
     if unit == "" and num < 1024:
         return int(num * (1 << 30))
     return int(num * _UNITS[unit])
@@ -177,6 +178,33 @@ class EngineConfig:
         for cls in SECTIONS.values():
             out.update(values(cls, args))
         return out
+
+    def validate(self) -> None:
+        """A ValueError naming the option for a value out of range or of the wrong type (the engine calls
+        it before loading anything, so a bad option never surfaces as another option's error or a torch
+        exception)."""
+
+        def count(name: str, least: int, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name}: must be an int >= {least}{' or None' if optional else ''}, got {v!r}")
+
+        count("block_size", 1)
+        count("num_blocks", 2, optional=True)
+        count("num_host_blocks", 0, optional=True)
+        count("max_model_len", 2, optional=True)
+        count("max_num_seqs", 1)
+        count("max_num_batched_tokens", 1)
+        count("state_retention_tokens", 0)
+        self.kv_cache_bytes()
+        self.swap_space_bytes()
+        if self.device is not None and not isinstance(self.device, str):
+            raise ValueError(f"device: must be a string such as 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("enable_prefix_caching", "write_through", "hybrid_allocator", "native_kernels", "enable_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

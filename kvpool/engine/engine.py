@@ -76,6 +76,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kw: Any) -> None:
         config = config or EngineConfig(**kw)
+        config.validate()
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = None
@@ -103,7 +104,8 @@ class LLMEngine:
             num_host = self.runner.allocate_host_cache(config.swap_space_bytes())
         elif num_host:
             self.runner.allocate_host_cache(num_host * self.runner.bytes_per_block)
-        if config.state_retention_tokens < 0 or config.state_retention_tokens % bs:
+        has_state = any(isinstance(s, MambaSpec) for s in self.runner.kv_cache_specs)
+        if has_state and config.state_retention_tokens % bs:  # (only state layers keep states)
             raise ValueError(f"state_retention_tokens: must be a multiple of block_size ({bs}) >= 0, "
                              f"got {config.state_retention_tokens}")
         self.kv = KVCacheManager(self.runner.num_blocks, bs, specs=self.runner.kv_cache_specs,
@@ -281,9 +283,26 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError("messages: each message needs a 'role' and a 'content'")
+        if isinstance(messages, dict):
+            messages = [messages]
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
+        flat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise ValueError(f"messages.{i}: each message needs a string 'role' and a 'content'")
+            content = m["content"]
+            if isinstance(content, list):  # OpenAI content parts: their text, as the server flattens them
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ValueError(f"messages.{i}.content: only text parts ({{'type': 'text', 'text': ...}}) "
+                                     "are taken here; images go through mm_inputs")
+                content = "".join(p["text"] for p in content)
+            elif not isinstance(content, str):
+                raise ValueError(f"messages.{i}.content: a string or a list of text parts, "
+                                 f"got {type(content).__name__}")
+            flat.append({**m, "content": content})
+        messages = flat
         with self._tokenizer_lock:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True)

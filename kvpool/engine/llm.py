@@ -77,7 +77,12 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Like generate, with each conversation rendered by the model's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        if isinstance(messages, dict):  # one message
+            convs = [[messages]]
+        elif isinstance(messages, Sequence) and messages and not isinstance(messages, str):
+            convs = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        else:
+            raise ValueError("messages: a conversation (a list of {'role': ..., 'content': ...}) or a list of them")
         ids = [self.engine.apply_chat_template(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

@@ -116,6 +116,17 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: 
     return model, cfg
 
 
+def _device(name: str) -> torch.device:
+    """`name` as a torch device; a ValueError naming `device` for one that does not exist here."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {name!r} is not a device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for, but torch sees no CUDA device here")
+    return dev
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
@@ -123,7 +134,7 @@ class ModelRunner:
                  stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
                  batch_invariant: bool = False, native_kernels: bool = True) -> None:
         self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
-        self.device = torch.device(device) if device else default_device()
+        self.device = _device(device) if device else default_device()
         # Cascades (None: on the CPU only) read a shared prefix's keys once per group instead of once per
         # member, which is what bounds a CPU's decode; but they split a step's attention into several
         # small calls per group (a 64-row decode step of SmolLM2 in 8 groups: 26,844 torch ops against
@@ -214,16 +225,20 @@ class ModelRunner:
         # (kv_heads, blocks, block_size, head_dim): one head's keys of a block table gather contiguously.
         shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
         self.paged: PagedBuffers | None = None
-        if state_shapes is not None:
-            self.paged = PagedBuffers(self.layout.specs, self.layout.group_of_layer, self.layout.tensor_of_layer,
-                                      num_blocks, self.dtype, self.device)
-            self.kv_tensors = []
-            self.kv_caches = self.paged.caches  # type: ignore[assignment]
-        else:
-            self.kv_tensors = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                torch.zeros(shape, dtype=self.dtype, device=self.device))
-                               for _ in range(self.layout.layers_per_group)]
-            self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
+        try:
+            if state_shapes is not None:
+                self.paged = PagedBuffers(self.layout.specs, self.layout.group_of_layer,
+                                          self.layout.tensor_of_layer, num_blocks, self.dtype, self.device)
+                self.kv_tensors = []
+                self.kv_caches = self.paged.caches  # type: ignore[assignment]
+            else:
+                self.kv_tensors = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                    torch.zeros(shape, dtype=self.dtype, device=self.device))
+                                   for _ in range(self.layout.layers_per_group)]
+                self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
+        except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors are RuntimeErrors
+            raise ValueError(f"kv_cache_memory: {num_blocks} blocks of {self.bytes_per_block} bytes could not be "
+                             f"allocated on {self.device} ({str(e).splitlines()[0]})") from None
         self.num_tokens_computed = 0
         self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
         self.num_grouped_decode_steps = 0  # steps whose decode kernel read a shared prefix once for a group

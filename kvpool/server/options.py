@@ -9,16 +9,31 @@ from dataclasses import dataclass
 from kvpool.flags import add_flags, option
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {port}")
+    return port
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 @dataclass
 class ServerConfig:
     """The HTTP server: where it listens, who may call it, how much it takes in, where KV events go."""
 
     host: str = option("127.0.0.1", "address to listen on")
-    port: int = option(8000, "port to listen on")
+    port: int = option(8000, "port to listen on", type=_port)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 and admin routes")
     served_model_name: str | None = option(None, "the model id clients send (default: folder name)")
-    max_pending: int = option(256, "requests in flight (running + waiting) before new ones get HTTP 503")
-    max_body_bytes: int = option(4 << 20, "larger request bodies get HTTP 413")
+    max_pending: int = option(256, "requests in flight (running + waiting) before new ones get HTTP 503",
+                              type=_positive)
+    max_body_bytes: int = option(4 << 20, "larger request bodies get HTTP 413", type=_positive)
     kv_events_endpoint: str | None = option(None, "publish KV cache events on this ZeroMQ PUB endpoint "
                                             "(e.g. tcp://127.0.0.1:5557)")
     kv_events_replay_endpoint: str | None = option(None, "answer replay requests (vLLM's ROUTER protocol) on this "

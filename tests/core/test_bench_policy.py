@@ -63,6 +63,9 @@ def test_default_traces_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     (["bench", "policy", "--trace", "multi-turn", "--num-blocks", "0"], "num_blocks: every pool size must be >= 2"),
     (["bench", "manager", "--num-blocks", "0"], "num_blocks: must be >= 2, got 0"),
     (["bench", "manager", "--trace", "."], "Is a directory"),
+    (["bench", "policy", "--trace", "multi-turn", "--plot", "/nonexistent-dir/x.png"], "plot: cannot write into"),
+    (["bench", "policy", "--trace", "multi-turn", "--plot", "out"], "plot: 'out' must name a .png file"),
+    (["bench", "memory", "--models", ","], "models: name at least one of"),
 ])
 def test_bad_bench_arguments_are_one_line_errors(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,3 +73,15 @@ def test_bad_bench_arguments_are_one_line_errors(argv: list[str], message: str,
 
     assert main(argv) == 2  # refused before any replay (a negative concurrency used to loop forever)
     assert message in capsys.readouterr().err
+
+
+def test_ttft_per_turn_is_drawn(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from kvpool.bench.plots import ttft_per_turn
+
+    png = tmp_path / "ttft.png"
+    ttft_per_turn(str(png), {"device": {"ttft_mean_ms_by_turn": {0: 900.0, 1: 300.0}},
+                             "no-cache": {"ttft_mean_ms_by_turn": {"0": 950.0, "1": 1100.0}}})
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size[0] > 400
