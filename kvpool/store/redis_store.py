@@ -26,6 +26,10 @@ class RedisStore(KVStore):
         u = urlparse(url)
         if not u.hostname:
             raise ValueError(f"kv_store: {url!r} names no host (expected redis://HOST:PORT)")
+        try:
+            port = u.port or 6379
+        except ValueError as e:  # urllib's "Port out of range 0-65535"
+            raise ValueError(f"kv_store: {url!r}: {e}") from None
         q = parse_qs(u.query)
         if "ttl" in q:
             try:
@@ -36,10 +40,10 @@ class RedisStore(KVStore):
             db = int(u.path.strip("/") or 0)
         except ValueError:
             raise ValueError(f"kv_store: database {u.path!r} is not a number") from None
-        self.url = f"redis://{u.hostname}:{u.port or 6379}/{db}"
+        self.url = f"redis://{u.hostname}:{port}/{db}"
         self.ttl_s = ttl_s
         self._errors = (redis.RedisError, OSError)
-        self.client = redis.Redis(host=u.hostname, port=u.port or 6379, db=db, password=u.password,
+        self.client = redis.Redis(host=u.hostname, port=port, db=db, password=u.password,
                                   username=u.username, socket_timeout=timeout_s,
                                   socket_connect_timeout=connect_timeout_s,
                                   # No retries inside a call: BlockStore backs off and tries again later.

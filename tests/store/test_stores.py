@@ -103,8 +103,8 @@ def test_file_store_writes_are_atomic(tmp_path: Path) -> None:
 
 
 def test_bad_urls_name_the_field() -> None:
-    for url in ("nowhere", "s3://bucket/x", "file://host/x", "redis://:6379"):
-        with pytest.raises(ValueError, match="kv_store"):
+    for url in ("nowhere", "s3://bucket/x", "file://host/x", "redis://:6379", "redis://nohost:99999"):
+        with pytest.raises(ValueError, match=r"^kv_store: "):
             open_store(url)
 
 
