@@ -36,6 +36,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step raised); no request can be served."""
 
 
+class EngineStepError(EngineDeadError):
+    """A step raised while the request was in it: it failed, the engine recovered (every request in flight
+    aborted, the prefix cache reset) and serves on; sending the request again may succeed."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Too many requests are in flight; the caller should retry later."""
 
@@ -232,14 +237,26 @@ class AsyncEngine:
 
     # -- engine thread ---------------------------------------------------------------------------------
 
+    # A step that raises fails the requests in flight and the engine recovers; this many in a row
+    # (with no step between them that worked) mean it is broken, and it stops.
+    MAX_FAILED_STEPS = 3
+
     def _run(self) -> None:
+        failed = 0
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
                 if not self._drain(block=idle):
                     return
                 if self.engine.has_unfinished_requests():
-                    self._step()
+                    try:
+                        self._step()
+                        failed = 0
+                    except Exception as e:
+                        failed += 1
+                        if failed >= self.MAX_FAILED_STEPS:
+                            raise
+                        self._recover(e)
                 elif self._aborted_since_report and self._listeners:
                     # No step will follow to report the blocks an abort freed; report them now.
                     self._publish(self._report())
@@ -249,6 +266,18 @@ class AsyncEngine:
         finally:
             self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}" if self.error
                                            else "the engine was shut down"))
+
+    def _recover(self, e: Exception) -> None:
+        """One failed step: its requests (every one in flight) fail with EngineStepError, and the engine
+        is reset (`LLMEngine.recover`: half-written blocks are never hit) to serve what comes next."""
+        log.exception("engine step failed; the requests in flight fail, the prefix cache is reset")
+        err = EngineStepError(f"the request failed in an engine step ({e!r}); the engine recovered, retry")
+        for rid, stream in list(self._streams.items()):
+            stream.push(err)
+            self._done(rid)
+        self._streams.clear()
+        self.engine.recover()
+        self._aborted_since_report = True
 
     def _fail_all(self, dead: EngineDeadError) -> None:
         for stream in self._streams.values():

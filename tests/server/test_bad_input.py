@@ -177,19 +177,44 @@ def test_reset_refused_while_blocks_are_held(keyed: ServerHandle) -> None:
     assert got[0].status_code == 409 and "hold blocks" in got[0].json()["error"]["message"]
 
 
-def test_engine_failure_fails_requests_and_health(chat_llama_dir: Path) -> None:
+def test_a_failed_step_fails_its_requests_and_the_server_serves_on(chat_llama_dir: Path) -> None:
     h = start_server(make_engine(chat_llama_dir, num_blocks=32), served_model_name="tiny")
     try:
-        boom = threading.Event()
+        eng = h.engine.engine
+        want = httpx.post(f"{h.url}/v1/completions", content=body(), timeout=30).json()["choices"][0]["text"]
+        real = eng.step
+        fails = {"left": 1}
 
+        def step_that_fails_once() -> list:
+            if fails["left"]:
+                fails["left"] -= 1
+                raise RuntimeError("kernel exploded")
+            return real()
+
+        eng.step = step_that_fails_once  # type: ignore[method-assign]
+        r = httpx.post(f"{h.url}/v1/completions", content=body(prompt="other words"), timeout=30)
+        assert r.status_code == 503 and "kernel exploded" in r.json()["error"]["message"], r.text
+        assert "retry" in r.json()["error"]["message"]
+        assert httpx.get(f"{h.url}/health").status_code == 200
+        again = httpx.post(f"{h.url}/v1/completions", content=body(), timeout=30)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == want
+        # The cache was reset by the failure: the repeated prompt was computed again, not hit.
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert h.engine.call_soon(lambda e: e.kv.usage).result(10) == 0.0
+    finally:
+        h.stop()
+
+
+def test_an_engine_whose_steps_keep_failing_stops(chat_llama_dir: Path) -> None:
+    h = start_server(make_engine(chat_llama_dir, num_blocks=32), served_model_name="tiny")
+    try:
         def broken_step() -> list:
-            boom.set()
             raise RuntimeError("kernel exploded")
 
         h.engine.engine.step = broken_step  # type: ignore[method-assign]
-        r = httpx.post(f"{h.url}/v1/completions", content=body(), timeout=10)
-        assert boom.is_set()
-        assert r.status_code == 503 and "kernel exploded" in r.json()["error"]["message"]
+        for _ in range(h.engine.MAX_FAILED_STEPS):
+            r = httpx.post(f"{h.url}/v1/completions", content=body(), timeout=10)
+            assert r.status_code == 503 and "kernel exploded" in r.json()["error"]["message"]
         assert httpx.get(f"{h.url}/health").status_code == 503
         assert httpx.post(f"{h.url}/v1/completions", content=body()).status_code == 503
     finally:
