@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> dict:
     if a.repeats < 1 or a.concurrency < 1:
         raise SystemExit("--repeats and --concurrency must be >= 1")
+    if a.requests < 1:
+        raise ValueError(f"requests: must be >= 1, got {a.requests}")
     if a.num_blocks < 2:
         raise ValueError(f"num_blocks: must be >= 2, got {a.num_blocks}")
     if a.host_blocks < 0:
