@@ -292,12 +292,12 @@ class LLMEngine:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise ValueError(f"messages.{i}: each message needs a string 'role' and a 'content'")
             content = m["content"]
-            if isinstance(content, list):  # OpenAI content parts: their text, as the server flattens them
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ValueError(f"messages.{i}.content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                     "are taken here; images go through mm_inputs")
-                content = "".join(p["text"] for p in content)
+            if isinstance(content, list):  # content parts
+                if not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
+                    raise ValueError(f"messages.{i}.content: parts are dicts with a 'type'")
+                if all(p["type"] == "text" and isinstance(p.get("text"), str) for p in content):
+                    content = "".join(p["text"] for p in content)  # text only: what every template reads
+                # (else image parts, for a template that places them: passed on as they are)
             elif not isinstance(content, str):
                 raise ValueError(f"messages.{i}.content: a string or a list of text parts, "
                                  f"got {type(content).__name__}")
