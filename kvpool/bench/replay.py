@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpool.bench.workloads import TraceRequest
 from kvpool.core.hashing import BlockHasher
@@ -50,12 +51,25 @@ class PoolTooSmall(ValueError):
     pass
 
 
-@dataclass
-class _Running:
-    req: CacheRequest
-    index: int  # in the trace
-    decode: list[int]
-    done: int = 0  # decode tokens appended
+def _make_room(manager: KVCacheManager, active: list[list[Any]], st: list[Any],
+               resume: deque[tuple[int, list[int], list[int]]]) -> tuple[bool, int]:
+    """Recompute preemption, newest first, until `st`'s decode slot fits: (whether it fits, how many were
+    preempted). A victim resumes later from its prompt plus what it had generated."""
+    n = 0
+    while active[-1] is not st:
+        _preempt(manager, active.pop(), resume)
+        n += 1
+        if manager.allocate_slots(st[0], 1) is not None:
+            return True, n
+    return False, n
+
+
+def _preempt(manager: KVCacheManager, victim: list[Any], resume: deque[tuple[int, list[int], list[int]]]) -> None:
+    """Free a running request's blocks (cached: it will hit them) and put it first in line to resume from
+    what it has computed, its remaining decode tokens after."""
+    req = victim[0]
+    manager.free(req, preempted=True)
+    resume.appendleft((victim[3], list(req.all_token_ids[:req.num_computed_tokens]), victim[1][victim[2]:]))
 
 
 def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHasher, concurrency: int,
@@ -68,7 +82,7 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
     last_waiting = -1
     gc.collect()
     wall0 = pc()
-    active: list[_Running] = []
+    active: list[list[Any]] = []  # [request, decode tokens, how many appended, trace index]
     # Preempted requests, resumed before the next new one: (trace index, tokens so far, decode left).
     resume: deque[tuple[int, list[int], list[int]]] = deque()
     i = 0
@@ -110,42 +124,37 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
             if first:
                 hit += n_hit
                 prompt += n
-            active.append(_Running(req, idx, dec))
-        k = 0
-        while k < len(active):
-            st = active[k]
-            if st.done < len(st.decode):
+            active.append([req, dec, 0, idx])
+        still = []
+        for st in active:  # (a preemption cuts requests from the end of `active`: not visited after)
+            req, dec, k = st[0], st[1], st[2]
+            if k < len(dec):
                 t0 = pc()
-                st.req.append_output_token_ids(st.decode[st.done])
+                req.append_output_token_ids(dec[k])
                 t1 = pc()
-                ok = manager.allocate_slots(st.req, 1) is not None
-                while not ok and active[-1] is not st:
-                    # Recompute preemption, newest first, until the step fits.
-                    victim = active.pop()
-                    manager.free(victim.req, preempted=True)
-                    preempted += 1
-                    v = victim.req
-                    resume.appendleft((victim.index, list(v.all_token_ids[:v.num_computed_tokens]),
-                                       victim.decode[victim.done:]))
-                    ok = manager.allocate_slots(st.req, 1) is not None
+                if manager.allocate_slots(req, 1) is None:
+                    ok, n = _make_room(manager, active, st, resume)
+                    preempted += n
+                    if not ok:
+                        if still:  # older requests hold the rest: this one waits for them, preempted too
+                            _preempt(manager, st, resume)
+                            preempted += 1
+                        else:  # alone in the pool and still no room: it never fits
+                            manager.free(req)
+                            skipped += 1
+                        continue
                 t2 = pc()
                 t["decode_append"] += t1 - t0
                 t["decode_allocate"] += t2 - t1
-                if not ok:
-                    # Alone in the pool and still no room: this request never fits.
-                    manager.free(st.req)
-                    active.pop()
-                    skipped += 1
-                    continue
-                st.req.num_computed_tokens += 1
-                st.done += 1
-            if st.done >= len(st.decode):
+                req.num_computed_tokens += 1
+                st[2] = k = k + 1
+            if k >= len(dec):
                 t0 = pc()
-                manager.free(st.req)
+                manager.free(req)
                 t["free"] += pc() - t0
-                active.pop(k)
             else:
-                k += 1
+                still.append(st)
+        active = still
         manager.end_schedule_step()  # one scheduler step per round: the swap plan is handed out
     wall = pc() - wall0
     if manager.get_num_free_blocks() != manager.block_pool.num_usable_blocks:

@@ -119,3 +119,15 @@ def test_a_bad_trace_line_is_named(tmp_path: Path, text: str, message: str) -> N
     p.write_text(text)
     with pytest.raises(ValueError, match=re.escape(message)):
         load_trace(p)
+
+
+def test_a_newer_request_that_cannot_grow_beside_an_older_one_waits_preempted_not_skipped() -> None:
+    # 8 usable blocks. a (older) holds 4 and grows to 7; b (newer) holds 3 and needs a 4th in the first
+    # round, when a has just taken the last free block: b is preempted to wait for room, never dropped.
+    trace = [dict(id="a", prompt=list(range(16)), decode=list(range(10))),
+             dict(id="b", prompt=list(range(100, 112)), decode=list(range(10)))]
+    mgr = KVCacheManager(9, 4)
+    r = replay(trace, mgr, BlockHasher(4), concurrency=2)  # type: ignore[arg-type]
+    assert r.skipped == 0 and r.preempted >= 1
+    assert r.prompt_tokens == 28  # each prompt counted once, however often b resumed
+    assert mgr.get_num_free_blocks() == 8
