@@ -49,7 +49,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Fields not declared are kept aside (model_extra), never used: bookkeeping (`user`, `metadata`) passes,
+    # and the ones in _UNSUPPORTED are refused unless they are no-ops.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -70,20 +72,6 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # Requests with different salts never share cached blocks: tenant isolation against timing side channels.
     cache_salt: str | None = Field(default=None, min_length=1)
-    # Declared so that they are seen (unknown fields are dropped), and refused unless no-ops (_UNSUPPORTED).
-    best_of: Any = None
-    logit_bias: Any = None
-    response_format: Any = None
-    min_tokens: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    top_logprobs: Any = None
-    prompt_logprobs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -95,8 +83,9 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"{name}: not supported (must be 0)")
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs: not supported")
+        extra = self.model_extra or {}  # fields not declared here: bookkeeping, or _UNSUPPORTED's
         for name, harmless in _UNSUPPORTED.items():
-            value = getattr(self, name, None)
+            value = extra.get(name)
             if not harmless(value):
                 raise ValueError(f"{name}: not supported (got {value!r:.80})")
         return SamplingParams(
@@ -167,10 +156,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    tools: Any = None  # tool calling is not implemented: refused when tools are offered (_UNSUPPORTED)
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
