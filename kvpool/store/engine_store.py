@@ -82,7 +82,6 @@ class EngineStore:
                               block_bytes=block_bytes)
         self.url = url
         self._held: OrderedDict[str, Any] = OrderedDict()
-        self._hash_len = 32
         log.info("KV store tier: %s (fingerprint %s%s)", url, fp.digest.hex(),
                  f", {kv.num_groups} layer groups on {len(kv.host.pools)} host page types" if self.hybrid else "")
 
@@ -125,7 +124,6 @@ class EngineStore:
         return ReadPlan(self.rules, local, hit_point(self.rules, local, n), n, keys, self.kv.page_type)
 
     def _hold_hybrid(self, req: Any, hashes: Sequence[bytes]) -> bool:
-        self._hash_len = len(hashes[0])  # the engine's one hash function: every block hash is this long
         plan = self.read_plan(hashes)
         if plan.local_point >= plan.limit:
             return False  # the local tiers already give the longest hit allowed
@@ -139,11 +137,9 @@ class EngineStore:
         return True
 
     def _land_hybrid(self, pairs: list[tuple[bytes, Any]]) -> int:
-        """Write landed (key, (page type, payload)) pairs into host blocks of their page type."""
+        """Write landed (key, (page type, group, payload)) pairs into host blocks of their page type."""
         by_type: dict[int, tuple[list[Any], list[bytes]]] = {}
-        for key, (t, payload) in pairs:
-            # A key is group 0's block hash, or the hash and one byte naming its group (group_key).
-            group = key[-1] if len(key) > self._hash_len else 0
+        for key, (t, group, payload) in pairs:
             hb = self.kv.host.pools[t].shelter(key, group)  # type: ignore[union-attr]
             if hb is None:
                 continue  # already there (landed by another read, or sheltered meanwhile), or no room

@@ -209,7 +209,8 @@ class ReadPlan:
 
     def job(self, candidates: list[bytes], owned: list[bytes]) -> Callable[[BlockStore], list[Any]]:
         """The worker-thread read: one EXISTS over the candidates, the hit point with what the store holds,
-        then one GET of the owned keys that point needs. Per owned key: (page type, payload) or None."""
+        then one GET of the owned keys that point needs. Per owned key: (page type, group, payload) or
+        None."""
         where = {self.keys[g][i]: (g, i) for g, rule in enumerate(self.rules)
                  for i in rule.candidates(self.local_point, self.limit)}
 
@@ -228,6 +229,7 @@ class ReadPlan:
             # Keys owned by an earlier request's read are landed by that read.
             want = [k for k in owned if k in need]
             got = dict(zip(want, store.get(want), strict=True))
-            return [None if got.get(k) is None else (self.page_type[where[k][0]], got[k]) for k in owned]
+            return [None if got.get(k) is None else (self.page_type[where[k][0]], where[k][0], got[k])
+                    for k in owned]
 
         return run

@@ -110,6 +110,10 @@ def test_second_replica_hits_the_store_in_every_group(model: str, backend: str, 
     assert second.engine.kv.stats.host_hits == 3 * HIT_BLOCKS * BS
     assert second.engine.runner.num_blocks_swapped_in >= 3 * NEEDED[model]
     second.engine.kv.check_integrity()
+    # Every host block, landed ones included, carries the layer group its key names (sha256 keys: 32 bytes,
+    # plus one naming the group past group 0), so its eviction event names that group.
+    host = [b for p in second.engine.kv.host.pools for b in p.blocks if b.block_hash is not None]
+    assert host and all(b.block_hash == group_key(b.block_hash[:32], b.group_id) for b in host)
     # Requests sharing a prefix, arriving together: one read of the shared keys, the same tokens.
     shared = [[*PROMPTS[0][:60], *PROMPTS[1][:10]], [*PROMPTS[0][:60], 9, 9, 9]]
     ref = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=BS, max_num_batched_tokens=32,

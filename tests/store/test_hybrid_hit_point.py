@@ -109,7 +109,7 @@ def test_the_read_asks_once_and_reads_exactly_what_the_point_needs(tmp_path: Pat
     got = {k: v for k, v in zip(cands, out, strict=True) if v is not None}
     want = [(0, i) for i in range(3, 7)] + [(1, 5), (1, 6), (2, 6)]
     assert set(got) == {p.keys[g][i] for g, i in want}
-    assert got[p.keys[2][6]] == (1, b"2/6") and got[p.keys[0][3]] == (0, b"0/3")
+    assert got[p.keys[2][6]] == (1, 2, b"2/6") and got[p.keys[0][3]] == (0, 0, b"0/3")
     assert after["round_trips"] - before["round_trips"] == 2  # one EXISTS, one GET
     assert after["lookups"] - before["lookups"] == 7 and after["hits"] - before["hits"] == 7
     # Keys another request's read owns are not read twice: here, the full group's.
