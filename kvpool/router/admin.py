@@ -17,7 +17,6 @@ hold blocks: 409) is named in the answer, and the others stay reset (a reset can
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -134,8 +133,7 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         rp = live().pop(pin_id, None)
         if rp is None:
             raise APIError(404, f"pin: no pin {pin_id!r} (unpinned, or its TTL passed)")
-        with contextlib.suppress(httpx.HTTPError):  # a replica that is gone has dropped its pins anyway
-            await each("DELETE", "/v1/pins/", request, only=rp.on)
+        await each("DELETE", "/v1/pins/", request, only=rp.on)  # (a replica gone has dropped its pins anyway)
         return JSONResponse({"id": pin_id, "object": "pin", "deleted": True})
 
     @app.post("/reset_prefix_cache")
