@@ -163,17 +163,22 @@ class LHDPolicy(_Slots):
             self.leaf_pos[last] = i
         self.leaf_pos[bid] = -1
 
+    def _counted_parent(self, bid: int) -> int:
+        """The parent whose free-child count includes `bid` now (-1: none, or a stale link to a parent
+        handed out for other content since)."""
+        p = self.counted[bid]
+        return p if p >= 0 and self.pgen[bid] == self.gen[p] else -1
+
     def _leave_main(self, bid: int) -> None:
         """`bid` is no longer a free cached candidate (taken by a hit or evicted)."""
         if self.leaf_pos[bid] >= 0:
             self._drop_leaf(bid)
-        p = self.counted[bid]
+        p = self._counted_parent(bid)
+        self.counted[bid] = -1
         if p >= 0:
-            self.counted[bid] = -1
-            if self.pgen[bid] == self.gen[p]:
-                self.nfree_child[p] -= 1
-                if self.nfree_child[p] == 0 and self.where[p] == _MAIN:
-                    self._add_leaf(p)  # its last free child went: the parent is a candidate now
+            self.nfree_child[p] -= 1
+            if self.nfree_child[p] == 0 and self.where[p] == _MAIN:
+                self._add_leaf(p)  # its last free child went: the parent is a candidate now
         self._num_main -= 1
 
     # -- the contract ---------------------------------------------------------------------------------
@@ -341,8 +346,8 @@ class LHDPolicy(_Slots):
         while heap:
             bid = heapq.heappop(heap)[2]
             yield self.blocks[bid]  # type: ignore[misc]
-            p = self.counted[bid]
-            if p >= 0 and self.pgen[bid] == self.gen[p]:
+            p = self._counted_parent(bid)
+            if p >= 0:
                 nfree[p] -= 1
                 if nfree[p] == 0 and self.where[p] == _MAIN:
                     heapq.heappush(heap, key(p))
@@ -353,8 +358,8 @@ class LHDPolicy(_Slots):
         assert len(main) == self._num_main, "main count drifted"
         n_child = [0] * self.size
         for j in main:
-            p = self.counted[j]
-            if p >= 0 and self.pgen[j] == self.gen[p]:
+            p = self._counted_parent(j)
+            if p >= 0:
                 n_child[p] += 1
         assert n_child == self.nfree_child, "free-child counts drifted"
         for i in range(self.size):
