@@ -39,7 +39,7 @@ from kvpool.runner.models.llama import LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.models.mllama import CrossAttentionMetadata, CrossStep, plan_cross_attention
 from kvpool.runner.models.registry import resolve_model_class
 from kvpool.runner.multimodal import InputProcessor, MultiModalProcessor
-from kvpool.runner.sampler import SAMPLING_EPS, SamplingLike, sample
+from kvpool.runner.sampler import SamplingLike, is_greedy, sample
 from kvpool.runner.stage_output_cache import StageOutputCache
 from kvpool.runner.state_cache import PagedBuffers, StateMetadata, large_page_bytes, layer_specs, plan_state
 
@@ -545,7 +545,7 @@ class ModelRunner:
             # One row per call, so always the one-row kernel, whatever the batch: as invariant as
             # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
-        elif all(s.sampling is None or s.sampling.temperature < SAMPLING_EPS for s in want):
+        elif all(is_greedy(s.sampling) for s in want):
             # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
             tokens = self.model.greedy_tokens(last, self._argmax_rows).tolist()
             return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}

@@ -18,13 +18,18 @@ class SamplingLike(Protocol):
 SAMPLING_EPS = 1e-5
 
 
+def is_greedy(p: SamplingLike | None) -> bool:
+    """Whether a row takes the argmax (no parameters, or a temperature below SAMPLING_EPS)."""
+    return p is None or p.temperature < SAMPLING_EPS
+
+
 def sample(logits: torch.Tensor, params: list[SamplingLike],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id)."""
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for i, p in enumerate(params):
-        if p.temperature < SAMPLING_EPS:
+        if is_greedy(p):
             out.append(greedy[i])
             continue
         row = logits[i] / p.temperature
