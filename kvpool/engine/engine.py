@@ -30,7 +30,7 @@ from kvpool.engine.config import EngineConfig, parse_size
 from kvpool.engine.lora_request import LoRARegistry, LoRARequest
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.prompts import normalize_prompt
-from kvpool.engine.request import Request, RequestStatus
+from kvpool.engine.request import Request, RequestStatus, check_prompt_length
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
@@ -205,9 +205,7 @@ class LLMEngine:
         # a prefix no request can reach is not worth the budget (checked before the budget, so the
         # answer says what is wrong with it, not that it does not fit).
         self._check_prompt_ids(ids)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt_token_ids: the prefix has {len(ids)} tokens; the context holds "
-                             f"{self.max_model_len}, and a prompt must leave one to generate")
+        check_prompt_length(len(ids), self.max_model_len, "prefix")
         n_full = len(ids) // self.kv.block_size
         hashes = CacheRequest("pin", ids, hasher=self.hasher, cache_salt=cache_salt).block_hashes[:n_full]
         return self.pins.pin(hashes, now=time.monotonic(), ttl=ttl, num_tokens=n_full * self.kv.block_size)

@@ -13,6 +13,13 @@ from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.engine.sampling_params import SamplingParams
 
 
+def check_prompt_length(num_tokens: int, max_model_len: int, what: str = "prompt") -> None:
+    """A prompt (or a prefix to pin, which is computed as one) must leave the context room for one token."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt_token_ids: the {what} has {num_tokens} tokens; the context holds "
+                         f"{max_model_len}, and one must be left to generate")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,9 +62,7 @@ class Request(CacheRequest):
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         mt = sampling_params.max_tokens
         if max_model_len is not None:
-            if self.num_prompt_tokens >= max_model_len:
-                raise ValueError(f"prompt_token_ids: the prompt has {self.num_prompt_tokens} tokens; the "
-                                 f"context holds {max_model_len}, and one must be left to generate")
+            check_prompt_length(self.num_prompt_tokens, max_model_len)
             room = max_model_len - self.num_prompt_tokens
             if mt is not None and mt > room:
                 raise ValueError(f"max_tokens: {mt} new tokens after a {self.num_prompt_tokens}-token prompt "
