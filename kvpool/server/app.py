@@ -218,9 +218,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                 metrics.pins.set(st.num_pins)
                 # Usage as of now, not of the last step: a pin, an unpin or an expiry with no step after
                 # it changes it too (and routers read it as the replica's load).
-                metrics.running.set(st.num_running)
-                metrics.waiting.set(st.num_waiting)
-                metrics.kv_usage.set(st.kv_usage)
+                metrics.set_load(st.num_running, st.num_waiting, st.kv_usage)
             except EngineDeadError:
                 pass
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

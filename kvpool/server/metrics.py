@@ -55,11 +55,15 @@ class ServerMetrics:
             self.swapped_out_bytes = counter("kvpool:kv_swap_out_bytes", "Bytes copied device -> host.")
             self.swapped_in_bytes = counter("kvpool:kv_swap_in_bytes", "Bytes copied host -> device.")
 
+    def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        """The load gauges (routers read them), after a step or as of a /metrics scrape."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
     def observe(self, s: StepReport) -> None:
         """Called on the engine thread after each step."""
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_usage.set(s.kv_usage)
+        self.set_load(s.num_running, s.num_waiting, s.kv_usage)
         self.prefix_queries.inc(s.prefix_queries)
         self.prefix_hits.inc(s.prefix_hits)
         self.preemptions.inc(s.preemptions)
