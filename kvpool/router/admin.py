@@ -4,11 +4,18 @@ A request may land on any replica, so a prefix pinned through the router is pinn
 replica, and the router answers with a pin of its own (`rpin-...`) that names each replica's pin.
 All or nothing, as a single server's pin is: if a replica refuses (over its budget, a prompt it
 rejects, a wrong API key), the pins already made on the others are deleted and that replica's own
-error is the answer. A replica that cannot be reached is left out and named in `missing` (a pin is a
-hint to keep blocks, so the healthy replicas keep theirs; a replica that comes back later does not
-get it). `DELETE /v1/pins/{id}` unpins it everywhere; `GET /v1/pins` lists the router's pins. The
-router holds no API key of its own: every admin request is forwarded with the client's
-Authorization header, and a replica's 401 is the answer.
+error is the answer. A replica that is down or cannot be reached is left out and named in `missing` (a
+pin is a hint to keep blocks, so the healthy replicas keep theirs). `DELETE /v1/pins/{id}` unpins it
+everywhere; `GET /v1/pins` lists the router's pins. The router holds no API key of its own: every
+admin request is forwarded with the client's Authorization header, and a replica's 401 is the answer.
+
+Pins are kept, not only made: while any live, the router checks every healthy replica's pins once a
+second (`PIN_CHECK_S`) and pins again, with the TTL that is left, wherever one is absent: on a
+replica that was down when the pin was made, one restarted since (a fresh process has no pins), or
+one that dropped its pins when it recovered from a failed step. Requests can land on any replica, so
+a pin held by some replicas only would keep a prefix cached for some of its requests only. A replica
+that refuses the pin then (its budget is full of other pins) stays in `missing` and is asked again
+at the next check; the refusal is logged once.
 
 `POST /reset_prefix_cache` resets every healthy replica; a replica that refuses (requests in flight
 hold blocks: 409) is named in the answer, and the others stay reset (a reset cannot be undone).
@@ -17,9 +24,11 @@ hold blocks: 409) is named in the answer, and the others stay reset (a reset can
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -31,7 +40,11 @@ from kvpool.server.errors import APIError, read_raw
 if TYPE_CHECKING:
     from kvpool.router.app import Router
 
+log = logging.getLogger("kvpool.router")
+
 _FORWARD_HEADERS = ("authorization", "content-type", "accept")
+PIN_CHECK_S = 1.0  # how often the router makes sure every healthy replica holds every live pin
+_MIN_TTL_LEFT_S = 1.0  # a pin about to expire is not made again
 
 
 def forward_headers(request: Request) -> dict[str, str]:
@@ -45,7 +58,10 @@ class RouterPin:
     num_tokens: int
     num_blocks: int
     expires_at: float | None  # time.monotonic(); None: until deleted
-    missing: list[str]  # replicas that could not be reached when it was made
+    missing: list[str]  # healthy-again replicas that do not hold it yet, and replicas that are down
+    body: dict[str, Any]  # the client's pin request, to pin again where the pin is absent
+    headers: dict[str, str]  # ... and its headers (the API key the replicas check)
+    refused_by: set[str] = field(default_factory=set)  # replicas whose refusal was logged
 
     def json(self) -> dict[str, Any]:
         left = None if self.expires_at is None else max(0.0, self.expires_at - time.monotonic())
@@ -75,11 +91,10 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
             del pins[pid]  # the replicas let theirs expire at the same time
         return pins
 
-    async def each(method: str, path: str, request: Request, content: bytes | None = None,
+    async def each(method: str, path: str, headers: dict[str, str], content: bytes | None = None,
                    only: dict[str, str] | None = None) -> list[tuple[str, httpx.Response | None]]:
         """The request on every healthy replica (or on `only`'s, each with its own path suffix), at once;
         None for a replica that could not be reached (it is marked down)."""
-        headers = forward_headers(request)
         targets = only if only is not None else {n: "" for n, r in router.replicas.items() if r.healthy}
 
         async def one(name: str, suffix: str) -> tuple[str, httpx.Response | None]:
@@ -93,29 +108,92 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
 
     async def refused(request: Request) -> Response | None:
         """A replica's answer when it does not let this client in (the router checks no key itself)."""
-        for _, r in await each("GET", "/v1/pins", request):
+        for _, r in await each("GET", "/v1/pins", forward_headers(request)):
             if r is not None and r.status_code in (401, 403):
                 return _relay(r)
         return None
 
+    keeper: list[asyncio.Task[None]] = []  # the task keeping the live pins on every replica
+
+    async def keep_pins() -> None:
+        while live():
+            await asyncio.sleep(PIN_CHECK_S)
+            try:
+                await restore_pins()
+            except Exception:  # a surprise must not end the keeping: log it, try again next time
+                log.exception("router: checking the replicas' pins failed")
+
+    async def restore_pins() -> None:
+        """Pin again, on every healthy replica, each live pin it does not hold."""
+        by_key: dict[tuple[tuple[str, str], ...], list[RouterPin]] = {}
+        for rp in live().values():
+            by_key.setdefault(tuple(sorted(rp.headers.items())), []).append(rp)
+
+        async def on(name: str) -> None:
+            for key, group in by_key.items():
+                try:
+                    r = await client.get(f"{name}/v1/pins", headers=dict(key))
+                except httpx.HTTPError:
+                    router.mark_down(name)
+                    return
+                if r.status_code != 200:
+                    continue  # (a key the replica no longer takes: nothing to do for these pins)
+                held = {p["id"] for p in r.json()["data"]}
+                for rp in group:
+                    if rp.on.get(name) not in held:
+                        await repin(rp, name)
+
+        await asyncio.gather(*(on(n) for n, r in router.replicas.items() if r.healthy))
+
+    async def repin(rp: RouterPin, name: str) -> None:
+        rp.on.pop(name, None)
+        if name not in rp.missing:
+            rp.missing.append(name)
+        left = None if rp.expires_at is None else rp.expires_at - time.monotonic()
+        if left is not None and left < _MIN_TTL_LEFT_S:
+            return
+        try:
+            r = await client.post(f"{name}/v1/pins", json=dict(rp.body, ttl=left), headers=rp.headers)
+        except httpx.HTTPError:
+            router.mark_down(name)
+            return
+        if r.status_code != 200:
+            if name not in rp.refused_by:
+                rp.refused_by.add(name)
+                log.warning("router: replica %s does not take pin %s again: %s", name, rp.pin_id, _message(r))
+            return
+        made = r.json()["id"]
+        if pins.get(rp.pin_id) is not rp:  # unpinned while this one was being made
+            await each("DELETE", "/v1/pins/", rp.headers, only={name: made})
+            return
+        rp.on[name] = made
+        rp.missing.remove(name)
+        rp.refused_by.discard(name)
+        log.info("router: pin %s made again on replica %s", rp.pin_id, name)
+
     @app.post("/v1/pins")
     async def pin(request: Request) -> Response:
         raw = await read_raw(request, max_body_bytes)
-        results = await each("POST", "/v1/pins", request, raw)
+        sent_at = time.monotonic()
+        results = await each("POST", "/v1/pins", forward_headers(request), raw)
         made = {n: r.json() for n, r in results if r is not None and r.status_code == 200}  # kvpool's pin objects
         refusals = [r for _, r in results if r is not None and r.status_code != 200]
         if refusals or not made:
             # All or nothing: undo what the others pinned.
-            await each("DELETE", "/v1/pins/", request, only={n: p["id"] for n, p in made.items()})
+            await each("DELETE", "/v1/pins/", forward_headers(request), only={n: p["id"] for n, p in made.items()})
             if refusals:
                 return _relay(refusals[0])
             raise APIError(503, "no replica is healthy")
         first = next(iter(made.values()))
-        ttl = first.get("expires_in")
+        # No later than any replica's own expiry (each counted its TTL from when it pinned, after
+        # `sent_at`), so the keeper never sees a replica's pin gone while the router's lives on.
+        ttl = None if first.get("expires_in") is None else min(p["expires_in"] for p in made.values())
         rp = RouterPin(f"rpin-{uuid.uuid4().hex[:16]}", {n: p["id"] for n, p in made.items()}, first["num_tokens"],
-                       first["num_blocks"], None if ttl is None else time.monotonic() + ttl,
-                       [n for n, r in results if r is None])
+                       first["num_blocks"], None if ttl is None else sent_at + ttl,
+                       [n for n in router.replicas if n not in made], json.loads(raw), forward_headers(request))
         live()[rp.pin_id] = rp
+        if not keeper or keeper[0].done():
+            keeper[:] = [asyncio.create_task(keep_pins())]
         return JSONResponse(rp.json())
 
     @app.get("/v1/pins")
@@ -133,12 +211,13 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         rp = live().pop(pin_id, None)
         if rp is None:
             raise APIError(404, f"pin: no pin {pin_id!r} (unpinned, or its TTL passed)")
-        await each("DELETE", "/v1/pins/", request, only=rp.on)  # (a replica gone has dropped its pins anyway)
+        # (A replica that is gone has dropped its pins anyway.)
+        await each("DELETE", "/v1/pins/", forward_headers(request), only=rp.on)
         return JSONResponse({"id": pin_id, "object": "pin", "deleted": True})
 
     @app.post("/reset_prefix_cache")
     async def reset(request: Request) -> Response:
-        results = await each("POST", "/reset_prefix_cache", request)
+        results = await each("POST", "/reset_prefix_cache", forward_headers(request))
         if not results:
             raise APIError(503, "no replica is healthy")
         for _, r in results:

@@ -7,6 +7,8 @@ events) behind `kvpool router`, all on 127.0.0.1.
 - a replica without events is routed by what the router sent it (the approximate index);
 - a replica that dies is routed around, and requests that had not started streaming are retried;
 - the router started after its replicas learns their caches through the replay socket;
+- pins and the cache reset reach every replica, and a replica that comes back (or restarts) gets the
+  live pins again;
 - /metrics and bad input.
 """
 
@@ -22,9 +24,10 @@ from typing import Any
 
 import httpx
 import pytest
-from replicas import start_front, start_replica
+from replicas import free_port, start_front, start_replica
 from server_helpers import leave_early, make_engine, metric
 
+from kvpool.router import admin
 from kvpool.router.app import ReplicaSpec, Router, RouterHandle
 from kvpool.server.serve import ServerHandle, start_server
 
@@ -283,6 +286,60 @@ def test_a_pin_one_replica_refuses_is_undone_on_the_others(chat_llama_dir: Path,
         front.stop()
         for h, _ in reps:
             h.stop()
+
+
+def wait_until(what: Any, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return got
+
+
+def test_a_replica_that_comes_back_or_restarts_gets_the_live_pins(
+        chat_llama_dir: Path, chat_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admin, "PIN_CHECK_S", 0.1)
+    up, _ = start_replica(chat_llama_dir, events=False)
+    port = free_port()
+    late_url = f"http://127.0.0.1:{port}"  # nothing listens there yet
+    front = start_front([ReplicaSpec(up.url), ReplicaSpec(late_url)], chat_tokenizer)
+    late = None
+
+    def held(h: ServerHandle) -> list[dict[str, Any]]:
+        try:
+            return httpx.get(f"{h.url}/v1/pins").json()["data"]
+        except httpx.HTTPError:
+            return []
+
+    try:
+        prompt = list(range(4000, 4000 + 16 * 2 + 1))  # 2 full blocks
+        r = httpx.post(f"{front.url}/v1/pins", json={"prompt": prompt, "ttl": 600}, timeout=60)
+        assert r.status_code == 200, r.text
+        pin = r.json()
+        assert pin["missing"] == [late_url] and list(pin["replicas"]) == [up.url]
+        late = start_server(make_engine(chat_llama_dir), served_model_name="tiny", port=port)
+        first = wait_until(lambda: held(late))
+        assert len(first) == 1 and first[0]["num_blocks"] == 2 and 590 < first[0]["expires_in"] < 600
+        # The router names the new pin, and the replica that held it all along still holds its first one.
+        listed = wait_until(lambda: (d := httpx.get(f"{front.url}/v1/pins").json()["data"])[0]["missing"] == [] and d)
+        assert listed[0]["replicas"] == {up.url: pin["replicas"][up.url], late_url: first[0]["id"]}
+        assert [p["id"] for p in held(up)] == [pin["replicas"][up.url]]
+
+        late.stop()  # a restart: the fresh process holds no pins, and gets this one again
+        late = start_server(make_engine(chat_llama_dir), served_model_name="tiny", port=port)
+        again = wait_until(lambda: held(late))
+        assert len(again) == 1 and again[0]["num_blocks"] == 2
+        wait_until(lambda: httpx.get(f"{front.url}/v1/pins").json()["data"][0]["replicas"].get(late_url)
+                   == again[0]["id"])
+        # Unpinned through the router: gone everywhere, and not made again.
+        assert httpx.delete(f"{front.url}/v1/pins/{pin['id']}").json()["deleted"] is True
+        time.sleep(0.5)
+        assert held(up) == [] and held(late) == []
+    finally:
+        front.stop()
+        up.stop()
+        if late is not None:
+            late.stop()
 
 
 def test_an_overloaded_replicas_reason_reaches_the_client(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
