@@ -193,6 +193,10 @@ class KVStore(ABC):
     @abstractmethod
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
+    def ping(self) -> None:  # noqa: B027 (optional)
+        """Raise `StoreError` when the backend cannot be reached (a server down, a host that does not
+        resolve); a backend with nothing to reach has nothing to check."""
+
     def close(self) -> None:  # noqa: B027 (optional)
         pass
 
@@ -216,11 +220,13 @@ class BlockStore:
     def available(self) -> bool:
         return not self._down
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
-        """Run one backend call; `_FAILED` when it failed or was skipped while backing off."""
+    def _call(self, what: str, fn: Any, *args: Any, counted: bool = True) -> Any:
+        """Run one backend call; `_FAILED` when it failed or was skipped while backing off. A call that
+        is not `counted` (a probe) moves no traffic counter: only errors and the up/down state."""
         now = time.monotonic()
         if self._down and now < self._down_until:
-            self.stats.add(skipped=1)
+            if counted:
+                self.stats.add(skipped=1)
             return _FAILED
         t0 = time.perf_counter()
         try:
@@ -233,11 +239,19 @@ class BlockStore:
                             self.store.url, what, e, self.retry_after_s)
             self._down = True
             return _FAILED
-        self.stats.timed(time.perf_counter() - t0)
+        if counted:
+            self.stats.timed(time.perf_counter() - t0)
         if self._down:
             log.warning("KV store %s: reachable again", self.store.url)
             self._down = False
         return out
+
+    def probe(self) -> bool:
+        """Whether the backend answers now (a failure is logged once and starts the back-off, as any
+        call's). The worker probes at start, so a store that cannot be reached is reported when the
+        replica starts rather than at its first use, and again while it is down, so the store is used
+        again once it is back even when no traffic would try it."""
+        return self._call("connect", self.store.ping, counted=False) is not _FAILED
 
     def put(self, blocks: Sequence[tuple[bytes, bytes | bytearray | memoryview]]) -> bool:
         """Write (block hash, payload) pairs in one round trip; False if the backend refused."""

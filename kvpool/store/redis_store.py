@@ -73,5 +73,11 @@ class RedisStore(KVStore):
         except self._errors as e:
             raise StoreError(str(e)) from e
 
+    def ping(self) -> None:
+        try:
+            self.client.ping()
+        except self._errors as e:
+            raise StoreError(str(e)) from e
+
     def close(self) -> None:
         self.client.close()

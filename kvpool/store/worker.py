@@ -98,11 +98,19 @@ class StoreWorker:
         self.store.close()
 
     def _run(self) -> None:
+        self.store.probe()
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or self._writes or not self._fetches.empty())
+                # While the store is down, wake after its back-off to probe it: reads are not even
+                # tried while it is down (no request waits on a dead store), so without a probe a
+                # replica that writes nothing would never notice it is back.
+                woke = self._cv.wait_for(lambda: self._closed or self._writes or not self._fetches.empty(),
+                                         timeout=None if self.store.available else max(0.05, self.store.retry_after_s))
                 if self._closed and not self._writes and self._fetches.empty():
                     return
+            if not woke:
+                self.store.probe()
+                continue
             # Fetches first: a request is waiting on them.
             while True:
                 try:

@@ -7,6 +7,7 @@ is back."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -125,6 +126,44 @@ def test_killed_server_gives_misses_then_reconnects(redis_server: RedisServer) -
     assert bs.put(later)
     assert bs.available
     assert bs.get([h for h, _ in later]) == [p for _, p in later]
+
+
+def wait_for(what: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_store_down_at_start_is_reported_at_start_and_used_once_up(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpool.store.base")
+    redis_server.kill()  # nothing answers on its port yet
+    w = StoreWorker(BlockStore(open_store(redis_server.url), FP, retry_after_s=0.2))
+    try:
+        wait_for(lambda: not w.store.available)  # the probe at start, with no traffic at all
+        assert f"KV store {redis_server.url}/0: connect failed" in caplog.text
+        assert w.stats.round_trips == 0 and w.stats.errors >= 1
+        redis_server.start()
+        wait_for(lambda: w.store.available)  # probed again while down: back without any traffic
+        assert "reachable again" in caplog.text
+        assert w.stats.round_trips == 0  # probes are not traffic
+        data = blocks(3)
+        assert w.write(data) == 3 and w.flush(5)
+        assert w.fetch([h for h, _ in data]).result(5) == [p for _, p in data]
+    finally:
+        w.close()
+
+
+def test_a_host_that_does_not_resolve_is_reported_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpool.store.base")
+    w = StoreWorker(BlockStore(open_store("redis://no-such-host.invalid:6379"), FP))
+    try:
+        wait_for(lambda: not w.store.available)
+        assert "KV store redis://no-such-host.invalid:6379/0: connect failed" in caplog.text
+        assert w.fetch([blocks(1)[0][0]]).result(5) == [None]  # a miss, never an exception
+    finally:
+        w.close()
 
 
 def test_full_server_drops_writes_without_failing(redis_server: RedisServer) -> None:
