@@ -80,7 +80,23 @@ class EvictionPolicy(Protocol):
         ...
 
 
-class LRUPolicy(FreeBlockQueue):
+class NoObservations:
+    """The observation hooks as no-ops, for a policy that does not learn from them (or learns from some)."""
+
+    def on_touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        pass
+
+    def on_cached(self, block: KVCacheBlock, index: int, parent: KVCacheBlock | None) -> None:
+        pass
+
+    def on_uncached(self, block: KVCacheBlock) -> None:
+        pass
+
+    def on_release(self, num_output_tokens: int | None) -> None:
+        pass
+
+
+class LRUPolicy(NoObservations, FreeBlockQueue):
     """Least recently used: the free queue's own order (see `kvpool.core.free_queue`), plus a queue of
     low-value blocks (`append_low_n`) taken once the empty blocks at the queue's head are gone."""
 
@@ -140,18 +156,6 @@ class LRUPolicy(FreeBlockQueue):
 
     def __contains__(self, block: object) -> bool:
         return super().__contains__(block) or (isinstance(block, KVCacheBlock) and block.block_id in self._low_ids)
-
-    def on_touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        pass
-
-    def on_cached(self, block: KVCacheBlock, index: int, parent: KVCacheBlock | None) -> None:
-        pass
-
-    def on_uncached(self, block: KVCacheBlock) -> None:
-        pass
-
-    def on_release(self, num_output_tokens: int | None) -> None:
-        pass
 
 
 PolicyFactory = Callable[[], EvictionPolicy]

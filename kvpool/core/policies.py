@@ -39,14 +39,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 from kvpool.core.block import BlockHash, KVCacheBlock
-from kvpool.core.eviction import register_policy
+from kvpool.core.eviction import NoObservations, register_policy
 from kvpool.core.free_queue import FreeBlockQueue
 
 # Where a free block waits (per block id).
 _NONE, _EMPTY, _LOW, _MAIN, _PROTECTED = 0, 1, 2, 3, 4
 
 
-class _Slots:
+class _Slots(NoObservations):
     """What the policies here share: per-block-id state grown to the largest id seen (pools number
     their blocks from 0), where each free block waits, and the queues of empty blocks (reused first)
     and low-value blocks (next), which every policy keeps in the order it was given them."""
@@ -98,19 +98,6 @@ class _Slots:
             self.where[blk.block_id] = _NONE
             out.append(blk)
         return out
-
-    # Observation hooks: no-ops unless a policy learns from them.
-    def on_touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        pass
-
-    def on_cached(self, block: KVCacheBlock, index: int, parent: KVCacheBlock | None) -> None:
-        pass
-
-    def on_uncached(self, block: KVCacheBlock) -> None:
-        pass
-
-    def on_release(self, num_output_tokens: int | None) -> None:
-        pass
 
 
 class SLRUPolicy(_Slots):
