@@ -17,11 +17,11 @@ from collections.abc import Iterator, Sequence
 from kvpool.core.block import BlockHash, KVCacheBlock
 from kvpool.core.block_pool import AllocationPlan, BlockPool
 from kvpool.core.events import MEDIUM_HOST
-from kvpool.core.eviction import EvictionPolicy, make_policy, policy_names
+from kvpool.core.eviction import EvictionPolicy, NoObservations, make_policy, policy_names
 from kvpool.core.free_queue import FreeBlockQueue
 
 
-class ARCPolicy:
+class ARCPolicy(NoObservations):
     """Adaptive replacement (Megiddo and Modha): t1 holds hashes seen once, t2 hashes seen again, b1/b2
     remember what each evicted; a miss found in a ghost list moves the target size p of t1 toward the
     list that would have kept it. Empty blocks wait in their own queue and are reused first."""
@@ -100,14 +100,6 @@ class ARCPolicy:
             del self.b2[block_hash]
             self._seen_again.add(block_hash)
 
-    def on_cached(self, block: KVCacheBlock, index: int, parent: KVCacheBlock | None) -> None:
-        pass
-
-    def on_uncached(self, block: KVCacheBlock) -> None:
-        pass
-
-    def on_release(self, num_output_tokens: int | None) -> None:
-        pass
 
     def reset(self) -> None:
         """Forget the history (the cache was reset); the caller re-queues the blocks as empty."""

@@ -178,20 +178,9 @@ class SingleTypeKVCacheManager:
 class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int
                                ) -> list[KVCacheBlock]:
-        if self.host_cached is not None:
-            return self._hit_with_host(block_hashes, max_num_blocks)
-        get = self.block_pool.cached.get
+        # The device map's own get when there is no host tier to look in (the hot path: no extra call).
+        lookup = self.block_pool.cached.get if self.host_cached is None else self.lookup
         g = self.group_id
-        hit: list[KVCacheBlock] = []
-        for i in range(min(max_num_blocks, len(block_hashes))):
-            blk = get(block_hashes[i] if g == 0 else group_key(block_hashes[i], g))
-            if blk is None:
-                break
-            hit.append(blk)
-        return hit
-
-    def _hit_with_host(self, block_hashes: Sequence[BlockHash], max_num_blocks: int) -> list[KVCacheBlock]:
-        lookup, g = self.lookup, self.group_id
         hit: list[KVCacheBlock] = []
         for i in range(min(max_num_blocks, len(block_hashes))):
             blk = lookup(block_hashes[i] if g == 0 else group_key(block_hashes[i], g))
