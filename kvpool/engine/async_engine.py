@@ -124,6 +124,9 @@ class AsyncEngine:
         self._pending = 0  # requests submitted and not yet finished or aborted
         self._pending_lock = threading.Lock()
         self._listeners: list[StepListener] = []
+        # Called on the engine thread after a failed step's recovery, with nothing in flight: to restore
+        # what the reset dropped and the server owns (its standing pins).
+        self.after_recovery: list[Callable[[LLMEngine], None]] = []
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._last_stats = (0, 0, 0, 0)
@@ -179,6 +182,10 @@ class AsyncEngine:
     async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt token ids of a chat (on a worker thread: the engine tokenizes safely off its thread)."""
         return await asyncio.to_thread(self.engine.apply_chat_template, messages)
+
+    async def chat_prefix(self, messages: list[dict[str, Any]]) -> list[int]:
+        """`LLMEngine.chat_prefix`, off the event loop (and off the engine thread)."""
+        return await asyncio.to_thread(self.engine.chat_prefix, messages)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """`apply_chat_template`, blocking: for code already off the event loop (the tokenizer has its own lock,
@@ -278,6 +285,11 @@ class AsyncEngine:
         self._streams.clear()
         self.engine.recover()
         self._aborted_since_report = True
+        for hook in self.after_recovery:
+            try:
+                hook(self.engine)
+            except Exception:  # the engine still serves; what the hook restores is lost (and logged)
+                log.exception("restoring state after the engine's recovery failed")
 
     def _fail_all(self, dead: EngineDeadError) -> None:
         for stream in self._streams.values():

@@ -63,7 +63,8 @@ class CacheConfig:
     host_eviction: str = option("lru", "host tier eviction policy", choices=_host_policies)
     eviction_policy: str = option("lru", "device tier eviction policy (see kvpool bench policy)",
                                   choices=_eviction_policies)
-    pin_budget: float = 0.2  # fraction of the device pool that pinned prefixes may hold
+    pin_budget: float = option(0.2, "fraction of the device pool that pinned prefixes may hold (a pin over it "
+                               "is refused)")
     write_through: bool = option(False, "copy every newly full block to the host tier, not only when evicted")
     # The store tier below the host tier: file:///dir or redis://host:port (kvpool.store); None: off.
     kv_store: str | None = option(None, "store tier below the host tier: file:///dir or redis://host:port "
@@ -200,6 +201,9 @@ class EngineConfig:
         count("state_retention_tokens", 0)
         self.kv_cache_bytes()
         self.swap_space_bytes()
+        b = self.pin_budget
+        if isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b <= 1:
+            raise ValueError(f"pin_budget: a fraction of the pool in [0, 1], got {b!r}")
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device: must be a string such as 'cpu' or 'cuda', got {self.device!r}")
         for name in ("enable_prefix_caching", "write_through", "hybrid_allocator", "native_kernels", "enable_lora"):

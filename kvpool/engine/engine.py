@@ -115,8 +115,6 @@ class LLMEngine:
                                  page_sizes=self.runner.page_sizes, eviction_policy=config.eviction_policy,
                                  state_retention_interval=config.state_retention_tokens // bs,
                                  state_retention_budget=config.state_retention_budget)
-        if not 0 <= config.pin_budget <= 1:
-            raise ValueError(f"pin_budget: a fraction of the pool in [0, 1], got {config.pin_budget}")
         self.pins = PinSet(self.kv.block_pool, int(config.pin_budget * self.kv.block_pool.num_usable_blocks))
         self.kv.external_holders.append(self.pins.held_blocks)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
@@ -301,12 +299,33 @@ class LLMEngine:
                                  f"got {type(content).__name__}")
             flat.append({**m, "content": content})
         messages = flat
-        with self._tokenizer_lock:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True)
+        from jinja2 import TemplateError  # (transformers renders templates with jinja2)
+
+        try:
+            with self._tokenizer_lock:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                         tokenize=True)
+        except TemplateError as e:  # the template's own check (`raise_exception`): roles that must alternate
+            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
         if not isinstance(ids, list):
             ids = ids["input_ids"]
         return list(ids)
+
+    def chat_prefix(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids that every chat starting with `messages` (a system prompt, few-shot turns) and
+        going on with a user message starts with: what to pin for them. Templates differ in where a system
+        prompt goes (a turn of its own, or inside the first user turn), so this renders `messages` with two
+        different user messages after them and keeps what the two have in common."""
+        if isinstance(messages, dict):
+            messages = [messages]
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
+        a = self.apply_chat_template([*messages, {"role": "user", "content": "A"}])
+        b = self.apply_chat_template([*messages, {"role": "user", "content": "Z"}])
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return a[:n]
 
     def make_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                      request_id: str | None = None, lora_id: int | str | None = None,

@@ -22,6 +22,14 @@ class LLM:
     def __init__(self, model: str | None = None, *, enable_prefix_caching: bool = True, **kw: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, enable_prefix_caching=enable_prefix_caching, **kw))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """The offline API over an engine already built (call it only where nothing else steps the engine:
+        a server pins its `--pin-prefix` prefixes with it before it serves, and on its engine thread)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -51,11 +59,18 @@ class LLM:
             raise ValueError("mm_inputs: one list per prompt")
         return self._run(prompts, params, use_tqdm, cache_salt, mm_inputs, _per_prompt(lora_request, len(prompts)))
 
-    def pin_prefix(self, prompt: Prompt, *, ttl: float | None = None, cache_salt: str | None = None) -> Pin:
+    def pin_prefix(self, prompt: Prompt | None = None, *, messages: Messages | None = None, ttl: float | None = None,
+                   cache_salt: str | None = None) -> Pin:
         """Keep a prefix (text or token ids: its full blocks) on the device for `ttl` seconds (None:
         until `unpin`), computing it first if it is not cached. Refused with ValueError over the pin
-        budget (`pin_budget`, default 20% of the pool); never pins part of a prefix."""
+        budget (`pin_budget`, default 20% of the pool); never pins part of a prefix. For chats, give
+        `messages` instead (a system prompt: `[{"role": "system", "content": ...}]`): what every chat that
+        starts with them shares is pinned, in whatever form the model's chat template gives it."""
         eng = self.engine
+        if (prompt is None) == (messages is None):
+            raise ValueError("prompt: give the prefix as `prompt` or as `messages`, one of the two")
+        if messages is not None:
+            prompt = eng.chat_prefix(messages)
         try:
             return eng.pin_prefix(prompt, ttl=ttl, cache_salt=cache_salt)
         except PrefixNotCached:

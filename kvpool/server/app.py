@@ -40,7 +40,7 @@ from kvpool.server.errors import (
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
-from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
+from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, chat_messages
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -234,23 +234,29 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         the pin budget (never pinned in part)."""
         authorize(request)
         body = await read_body(request, PinRequest, max_body_bytes)
-
-        def pin(e: Any) -> Pin:
-            return e.pin_prefix(body.prompt, ttl=body.ttl, cache_salt=body.cache_salt)
-
-        rename = {"prompt_token_ids": "prompt", "pin_prefix": "prompt"}
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give the prefix as `prompt` (text or token ids) or as `messages` (a "
+                                "chat's first messages), one of the two", "prompt")
+        field = "prompt" if body.messages is None else "messages"
+        rename = {"prompt_token_ids": field, "pin_prefix": field}
         try:
+            prompt = (body.prompt if body.messages is None
+                      else await engine.chat_prefix(chat_messages(body.messages)))
+
+            def pin(e: Any) -> Pin:
+                return e.pin_prefix(prompt, ttl=body.ttl, cache_salt=body.cache_salt)
+
             try:
                 return JSONResponse(pin_json(await engine.call(pin)))
             except PrefixNotCached:
                 # Compute the prefix (one token of output), then pin what it cached.
-                await finish(request, await start(body.prompt, SamplingParams(max_tokens=1), body.cache_salt,
+                await finish(request, await start(prompt, SamplingParams(max_tokens=1), body.cache_salt,
                                                   rename=rename))
                 return JSONResponse(pin_json(await engine.call(pin)))
         except PinBudgetExceeded as e:
-            raise APIError(409, APIError.from_value_error(e, rename).message, "prompt") from None
+            raise APIError(409, APIError.from_value_error(e, rename).message, field) from None
         except PrefixNotCached as e:
-            raise APIError(409, f"{e} (evicted again before it could be pinned; retry)", "prompt") from None
+            raise APIError(409, f"{e} (evicted again before it could be pinned; retry)", field) from None
         except ValueError as e:
             raise APIError.from_value_error(e, rename) from None
         except EngineDeadError as e:

@@ -161,7 +161,12 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return chat_messages(self.messages)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as chat templates read them (OpenAI's `developer` role is the templates' `system`)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
 class PinRequest(BaseModel):
@@ -169,6 +174,9 @@ class PinRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: StrictStr | TokenIds = Field(min_length=1)
+    # The prefix: text or token ids, or a chat's first messages (a system prompt), pinned as the tokens
+    # every chat that starts with them shares (`LLMEngine.chat_prefix`). One of the two.
+    prompt: StrictStr | TokenIds | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     ttl: float | None = Field(default=None, gt=0)  # seconds; None: until DELETE /v1/pins/{id}
     cache_salt: str | None = Field(default=None, min_length=1)

@@ -10,6 +10,7 @@ import argparse
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,20 @@ class ServerHandle:
 def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
           max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None,
           kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
-          media: MediaOptions | None = None) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
+          media: MediaOptions | None = None, pin_prefixes: Sequence[StandingPrefix] = ()
+          ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
+    """The app and what runs it, for `engine`; `pin_prefixes` are pinned now (computed) and kept for as
+    long as the server runs (`--pin-prefix`)."""
     name = served_model_name or engine.model_dir.name
     if any(r.lora_name == name for r in engine.list_loras()):
         raise ValueError(f"lora_modules: adapter name {name!r} is the served model's name; a request's `model` "
                          f"could not tell them apart")
+    standing = list(pin_prefixes)
+    pin_standing(engine, standing)
     async_engine = AsyncEngine(engine, max_pending=max_pending)
+    if standing:
+        # A failed step's recovery drops every pin; the standing ones are the server's own: pin them again.
+        async_engine.after_recovery.append(lambda e: pin_standing(e, standing))
     metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
     async_engine.add_listener(metrics.observe)
     if engine.store is not None:
@@ -116,8 +125,52 @@ def add_lora_modules(engine: LLMEngine, specs: list[str]) -> None:
         engine.add_lora(lora)
 
 
+@dataclass(frozen=True)
+class StandingPrefix:
+    """A prefix a server keeps pinned for as long as it runs (`--pin-prefix`, `--pin-system-prompt`): text
+    as it is, or a chat system prompt, pinned as what every chat starting with it shares."""
+
+    text: str
+    system_prompt: bool = False
+
+    def pin(self, llm: Any) -> Any:
+        if self.system_prompt:
+            return llm.pin_prefix(messages=[{"role": "system", "content": self.text}])
+        return llm.pin_prefix(self.text)
+
+
+def read_standing_prefixes(args: argparse.Namespace) -> list[StandingPrefix]:
+    """The `--pin-prefix` and `--pin-system-prompt` values: the text itself, or `@FILE` for a file's text."""
+    out = []
+    for field, system_prompt in (("pin_prefix", False), ("pin_system_prompt", True)):
+        for spec in getattr(args, field, None) or []:
+            text = spec
+            if spec.startswith("@"):
+                try:
+                    text = Path(spec[1:]).read_text()
+                except OSError as e:
+                    raise ValueError(f"{field}: cannot read {spec[1:]!r}: {e.strerror or e}") from None
+            if not text:
+                raise ValueError(f"{field}: {spec!r} is empty")
+            out.append(StandingPrefix(text, system_prompt))
+    return out
+
+
+def pin_standing(engine: LLMEngine, prefixes: Sequence[StandingPrefix]) -> None:
+    """Pin a server's standing prefixes until it stops, computing them first (call where nothing else
+    steps the engine: before serving, or on the engine thread). ValueError over the pin budget."""
+    from kvpool.engine.llm import LLM
+
+    llm = LLM.from_engine(engine)
+    for prefix in prefixes:
+        pin = prefix.pin(llm)
+        log.info("pinned a standing %s: %d tokens in %d blocks (%s)",
+                 "system prompt" if prefix.system_prompt else "prefix", pin.num_tokens, len(pin.blocks), pin.pin_id)
+
+
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     media = media_options(args)  # checked before the model loads
+    standing = read_standing_prefixes(args)
     if args.kv_events_endpoint:
         engine_kwargs = dict(engine_kwargs, enable_kv_events=True)
     if args.lora_modules:
@@ -128,7 +181,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                                             max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
                                             kv_events_endpoint=args.kv_events_endpoint,
                                             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-                                            kv_events_topic=args.kv_events_topic, media=media)
+                                            kv_events_topic=args.kv_events_topic, media=media,
+                                            pin_prefixes=standing)
     async_engine.start()
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host, args.port,
              engine.stats().num_blocks, engine.config.block_size)

@@ -15,9 +15,9 @@ from kvpool.server.options import ServerConfig
 ENGINE_FLAGS = {"--model", "--dtype", "--device", "--kv-cache-memory", "--block-size", "--no-prefix-caching",
                 "--hash-algo", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len", "--swap-space",
                 "--eviction-policy", "--host-eviction", "--write-through", "--state-retention-tokens", "--kv-store",
-                "--kv-store-deadline", "--no-hybrid-allocator", "--no-native-kernels"}
+                "--kv-store-deadline", "--no-hybrid-allocator", "--no-native-kernels", "--pin-budget"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--served-model-name", "--max-pending", "--max-body-bytes",
-                "--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-topic"}
+                "--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-topic", "--pin-prefix"}
 
 
 def subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -111,3 +111,15 @@ def test_sizes_with_units_are_taken_by_every_size_flag() -> None:
     args = build_parser().parse_args(["generate", "hi", "--swap-space", "1GiB", "--kv-cache-memory", "64MiB"])
     cfg = EngineConfig(**engine_kwargs(args))
     assert cfg.swap_space_bytes() == 1 << 30
+
+
+def test_the_pin_budget_is_a_flag_and_a_fraction() -> None:
+    args = build_parser().parse_args(["serve", "--pin-budget", "0.5", "--pin-prefix", "You are terse.",
+                                      "--pin-prefix", "@/etc/prompt.txt"])
+    assert EngineConfig(**engine_kwargs(args)).pin_budget == 0.5
+    assert args.pin_prefix == ["You are terse.", "@/etc/prompt.txt"]
+    for ok in (0, 0.2, 1):
+        EngineConfig(pin_budget=ok).validate()
+    for bad in (1.5, -0.1, float("nan"), True, "0.2"):
+        with pytest.raises(ValueError, match=r"^pin_budget: a fraction of the pool in \[0, 1\], got "):
+            EngineConfig(pin_budget=bad).validate()

@@ -81,3 +81,39 @@ def test_ttls_that_are_not_a_duration_and_pins_of_another_engine(tiny_llama_dir:
     assert a.unpin(forever) is True and a.engine.pins.num_pinned_blocks == 0
     with pytest.raises(TypeError, match=r"^pin: expected a Pin or a pin id"):
         a.unpin(None)  # type: ignore[arg-type]
+
+
+# A template that puts the system prompt inside the first user turn, as Gemma's does: the system message
+# rendered alone is then not a prefix of any chat, and only what chats share can be pinned.
+SYSTEM_IN_FIRST_TURN = (
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% set ns.sys = m['content'] + '\n\n' %}{% else %}<turn>{{ m['role'] }}\n{{ ns.sys }}{{ m['content'] }}</turn>\n"
+    "{% set ns.sys = '' %}{% endif %}{% endfor %}{% if add_generation_prompt %}<turn>model\n{% endif %}")
+SYSTEM_PROMPT = "You are a careful assistant who answers in one short sentence. " * 3
+
+
+@pytest.mark.parametrize("template", ["own", "system in the first turn"])
+def test_a_system_prompt_is_pinned_as_what_every_chat_with_it_shares(chat_llama_dir: Path, template: str) -> None:
+    llm = LLM(str(chat_llama_dir), dtype="float32", num_blocks=64)
+    eng = llm.engine
+    if template != "own":
+        eng.tokenizer.chat_template = SYSTEM_IN_FIRST_TURN
+    system = [{"role": "system", "content": SYSTEM_PROMPT}]
+    chats = [[*system, {"role": "user", "content": q}] for q in ("Hi!", "What is a KV cache?")]
+    full = [eng.apply_chat_template(c) for c in chats]
+    prefix = eng.chat_prefix(system)
+    for ids in full:
+        assert ids[:len(prefix)] == prefix
+    assert full[0][len(prefix)] != full[1][len(prefix)]  # the longest prefix they share
+    alone = eng.apply_chat_template(system, add_generation_prompt=False)
+    if template == "own":
+        assert full[0][:len(alone)] == alone
+    else:  # why the system message rendered alone won't do: here it holds not one block of the prompt
+        assert len(alone) < 16 and len(prefix) >= 32
+    pin = llm.pin_prefix(messages=system)
+    assert pin.num_tokens == len(prefix) // 16 * 16 >= 32
+    outs = llm.chat(chats, SamplingParams.greedy(2), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [pin.num_tokens] * 2
+    for bad in ({}, {"prompt": "x", "messages": system}):
+        with pytest.raises(ValueError, match="^prompt: give the prefix as `prompt` or as `messages`"):
+            llm.pin_prefix(**bad)

@@ -1,4 +1,6 @@
-"""Pinned prefixes over HTTP: POST/GET/DELETE /v1/pins behind the API key, 409 over budget, /metrics."""
+"""Pinned prefixes over HTTP: POST/GET/DELETE /v1/pins behind the API key, 409 over budget, /metrics; a
+chat's system prompt pinned by its messages; standing pins (`--pin-prefix`, `--pin-system-prompt`)
+made at start and again after a recovery."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import httpx
 import pytest
 from server_helpers import make_engine, metric
 
-from kvpool.server.serve import ServerHandle, start_server
+from kvpool.cli import build_parser
+from kvpool.server.serve import ServerHandle, StandingPrefix, read_standing_prefixes, start_server
 
 KEY = {"Authorization": "Bearer sekrit"}
 
@@ -52,8 +55,13 @@ def test_pin_lifecycle(pinned_server: ServerHandle) -> None:
 
 def test_bad_pin_bodies(pinned_server: ServerHandle) -> None:
     url = pinned_server.url
-    for body in ({"prompt": []}, {"prompt": [1, 2], "ttl": -1}, {"prompt": "x", "extra": 1}):
+    for body in ({"prompt": []}, {"prompt": [1, 2], "ttl": -1}, {"prompt": "x", "extra": 1}, {"messages": []},
+                 {"messages": [{"role": "wizard", "content": "x"}]}):
         assert httpx.post(f"{url}/v1/pins", json=body, headers=KEY).status_code == 400, body
+    for body in ({}, {"prompt": "x" * 100, "messages": [{"role": "system", "content": "x"}]}):
+        r = httpx.post(f"{url}/v1/pins", json=body, headers=KEY)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "as `prompt` (text or token ids) or as `messages`" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/pins", json={"prompt": [1, 2, 3]}, headers=KEY)  # shorter than a block
     assert r.status_code == 400 and "no full block" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "prompt"
@@ -63,3 +71,64 @@ def test_bad_pin_bodies(pinned_server: ServerHandle) -> None:
     assert r.json()["error"]["message"].startswith("prompt: the prefix has 600 tokens; the context holds 512")
     r = httpx.post(f"{url}/v1/pins", json={"prompt": [1, 10**6] * 16}, headers=KEY)
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: token ids must be in")
+
+
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 3
+
+
+def chat(url: str, question: str, **kw: object) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", headers=KEY, timeout=60, json={
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 2, "temperature": 0, **kw})
+
+
+def test_a_system_prompt_pinned_by_its_messages(pinned_server: ServerHandle) -> None:
+    url = pinned_server.url
+    r = httpx.post(f"{url}/v1/pins", json={"messages": [{"role": "system", "content": SYSTEM}], "ttl": 600},
+                   headers=KEY, timeout=60)
+    assert r.status_code == 200, r.text
+    pin = r.json()
+    assert pin["num_tokens"] == 32  # the 2 full blocks every chat with this system prompt starts with
+    for q in ("Hi!", "What is a KV cache?"):
+        assert chat(url, q).json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert httpx.delete(f"{url}/v1/pins/{pin['id']}", headers=KEY).json()["deleted"] is True
+
+
+def test_standing_pins_are_made_at_start_and_again_after_a_recovery(chat_llama_dir: Path, tmp_path: Path) -> None:
+    prompt_file = tmp_path / "system.txt"
+    prompt_file.write_text(SYSTEM)
+    args = build_parser().parse_args(["serve", "--pin-system-prompt", f"@{prompt_file}",
+                                      "--pin-prefix", "Once upon a time " * 8])
+    standing = read_standing_prefixes(args)
+    assert standing == [StandingPrefix("Once upon a time " * 8), StandingPrefix(SYSTEM, system_prompt=True)]
+    h = start_server(make_engine(chat_llama_dir, num_blocks=64), served_model_name="tiny", api_key="sekrit",
+                     pin_prefixes=standing)
+    try:
+        first = httpx.get(f"{h.url}/v1/pins", headers=KEY).json()["data"]
+        assert [(p["num_tokens"], p["expires_in"]) for p in first] == [(32, None), (32, None)]
+        assert chat(h.url, "Hi!").json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+        eng = h.engine.engine
+        real, fails = eng.step, {"left": 1}
+
+        def step_that_fails_once() -> list:
+            if fails["left"]:
+                fails["left"] -= 1
+                raise RuntimeError("kernel exploded")
+            return real()
+
+        eng.step = step_that_fails_once  # type: ignore[method-assign]
+        assert chat(h.url, "Hello?").status_code == 503  # failed in the step; the engine recovered
+        again = httpx.get(f"{h.url}/v1/pins", headers=KEY).json()["data"]
+        assert [p["num_tokens"] for p in again] == [32, 32]
+        assert {p["id"] for p in again}.isdisjoint(p["id"] for p in first)  # pinned anew
+        # The reset dropped every cached block, yet the system prompt hits: it was computed and pinned again.
+        assert chat(h.url, "Hi!").json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    finally:
+        h.stop()
+
+
+def test_standing_pins_that_cannot_be_read_name_their_flag(tmp_path: Path) -> None:
+    for argv, message in ((["--pin-prefix", f"@{tmp_path}/missing.txt"], "pin_prefix: cannot read"),
+                          (["--pin-system-prompt", ""], "pin_system_prompt: '' is empty")):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            read_standing_prefixes(build_parser().parse_args(["serve", *argv]))
