@@ -8,8 +8,10 @@ the policies' contract as it is and makes a pin exact: these block ids, until th
 
 Pins live within a budget of blocks (by default 20% of the pool): a pin that would exceed it is
 refused whole, never partially, with a ValueError that says how much room is left. A block shared by
-two pins counts once. Re-pinning the same prefix (same hashes: same tokens and cache salt) refreshes
-its TTL. Time comes from the caller (`now`): the core does no I/O and reads no clock.
+two pins counts once. Every pin is its own, even of a prefix already pinned (same tokens and cache
+salt): its own id and TTL on the same blocks, ended only by its own expiry or unpin, so one caller's
+short pin or unpin never cuts another's (a server's standing system-prompt pin, a client's pin of the
+same prompt). Time comes from the caller (`now`): the core does no I/O and reads no clock.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class Pin:
     blocks: list[KVCacheBlock]
     expires_at: float | None  # None: until unpinned
     num_tokens: int
+    # What the caller needs to make the pin again once its blocks are gone (a reset of the cache): the
+    # engine keeps the prefix's tokens and cache salt here. Opaque to the core.
+    source: object = None
 
     @property
     def block_ids(self) -> list[int]:
@@ -52,16 +57,18 @@ class PinSet:
     """The pins of one device pool. Give `held_blocks` to `KVCacheManager.external_holders` so that
     the manager's integrity check counts the pins' references."""
 
-    def __init__(self, pool: BlockPool, budget_blocks: int) -> None:
+    def __init__(self, pool: BlockPool, budget_blocks: int, id_prefix: str = "pin-") -> None:
         if budget_blocks < 0:
             raise ValueError(f"pin budget: must be >= 0 blocks, got {budget_blocks}")
         self.pool = pool
         self.budget_blocks = budget_blocks
         self.pins: dict[str, Pin] = {}
-        self._by_hashes: dict[tuple[BlockHash, ...], str] = {}
         self._held: Counter[int] = Counter()  # block id -> pins holding it
-        self._expiry: list[tuple[float, int, str]] = []  # (expires_at, version, pin id), lazily cleaned
-        self._version = itertools.count()
+        self._expiry: list[tuple[float, str]] = []  # (expires_at, pin id), lazily cleaned
+        # Ids: `id_prefix` then a count. An engine gives a prefix of its own, so that a pin id names one
+        # pin of one process: a client (or a router) holding the id of a pin made before a restart must
+        # not find, or delete, another pin that took the same number after it.
+        self.id_prefix = id_prefix
         self._ids = itertools.count(1)
 
     @property
@@ -75,11 +82,15 @@ class PinSet:
         """Every reference the pins hold (a block once per pin holding it): for integrity checks."""
         return [b for pin in self.pins.values() for b in pin.blocks]
 
-    def pin(self, hashes: Sequence[BlockHash], *, now: float, ttl: float | None, num_tokens: int = 0) -> Pin:
-        """Pin the cached blocks holding `hashes` (a chain, head first) until `now + ttl`.
+    def pin(self, hashes: Sequence[BlockHash], *, now: float, ttl: float | None, num_tokens: int = 0,
+            source: object = None, pin_id: str | None = None) -> Pin:
+        """Pin the cached blocks holding `hashes` (a chain, head first) until `now + ttl`, under a new id
+        (or `pin_id`: a pin made again after a reset keeps the id its holder knows).
 
         Raises PrefixNotCached if any of them is not cached, ValueError if the pin would exceed the
         budget; either way nothing changes."""
+        if pin_id is not None and pin_id in self.pins:
+            raise ValueError(f"pin: {pin_id!r} is already pinned")
         if ttl is not None:
             # NaN would sit at the top of the expiry heap forever (no comparison is true) and stop every
             # later pin from expiring; a string would fail deep in the heap.
@@ -92,12 +103,6 @@ class PinSet:
         self.expire(now)
         key = tuple(hashes)
         expires_at = None if ttl is None else now + ttl
-        existing = self._by_hashes.get(key)
-        if existing is not None:  # the same prefix again: a new TTL, the same blocks
-            pin = self.pins[existing]
-            pin.expires_at = expires_at
-            self._schedule(pin)
-            return pin
         # The budget first (by hash: a pinned block keeps its hash), so that a refused pin costs no
         # computation of the prefix.
         pinned = {b.block_hash for pin in self.pins.values() for b in pin.blocks}
@@ -115,22 +120,18 @@ class PinSet:
         self.pool.touch(blocks)  # a reference each: never free, so never evicted, while pinned
         for b in blocks:
             self._held[b.block_id] += 1
-        pin = Pin(f"pin-{next(self._ids)}", key, blocks, expires_at, num_tokens)
+        pin = Pin(pin_id if pin_id is not None else f"{self.id_prefix}{next(self._ids)}", key, blocks, expires_at,
+                  num_tokens, source)
         self.pins[pin.pin_id] = pin
-        self._by_hashes[key] = pin.pin_id
-        self._schedule(pin)
+        if expires_at is not None:
+            heapq.heappush(self._expiry, (expires_at, pin.pin_id))
         return pin
-
-    def _schedule(self, pin: Pin) -> None:
-        if pin.expires_at is not None:
-            heapq.heappush(self._expiry, (pin.expires_at, next(self._version), pin.pin_id))
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin's blocks to the eviction policy (tail first). False if no such pin."""
         pin = self.pins.pop(pin_id, None)
         if pin is None:
             return False
-        del self._by_hashes[pin.hashes]
         for b in pin.blocks:
             self._held[b.block_id] -= 1
             if not self._held[b.block_id]:
@@ -143,13 +144,14 @@ class PinSet:
         gone = []
         heap = self._expiry
         while heap and heap[0][0] <= now:
-            at, _, pin_id = heapq.heappop(heap)
-            pin = self.pins.get(pin_id)
-            if pin is not None and pin.expires_at == at:  # else unpinned, or its TTL was refreshed
-                self.unpin(pin_id)
+            _, pin_id = heapq.heappop(heap)
+            if self.unpin(pin_id):  # (False: unpinned before its TTL passed)
                 gone.append(pin_id)
         return gone
 
-    def clear(self) -> None:
-        for pin_id in list(self.pins):
-            self.unpin(pin_id)
+    def clear(self) -> list[Pin]:
+        """Release every pin; the pins, to make again (`pin(..., pin_id=...)`) once their blocks are back."""
+        gone = list(self.pins.values())
+        for pin in gone:
+            self.unpin(pin.pin_id)
+        return gone

@@ -124,9 +124,6 @@ class AsyncEngine:
         self._pending = 0  # requests submitted and not yet finished or aborted
         self._pending_lock = threading.Lock()
         self._listeners: list[StepListener] = []
-        # Called on the engine thread after a failed step's recovery, with nothing in flight: to restore
-        # what the reset dropped and the server owns (its standing pins).
-        self.after_recovery: list[Callable[[LLMEngine], None]] = []
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._last_stats = (0, 0, 0, 0)
@@ -283,13 +280,8 @@ class AsyncEngine:
             stream.push(err)
             self._done(rid)
         self._streams.clear()
-        self.engine.recover()
+        self.engine.recover()  # (pinned prefixes are computed and pinned again, on this thread)
         self._aborted_since_report = True
-        for hook in self.after_recovery:
-            try:
-                hook(self.engine)
-            except Exception:  # the engine still serves; what the hook restores is lost (and logged)
-                log.exception("restoring state after the engine's recovery failed")
 
     def _fail_all(self, dead: EngineDeadError) -> None:
         for stream in self._streams.values():

@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from kvpool.core.events import KVCacheEvent
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.kv_cache_spec import MambaSpec
-from kvpool.core.pins import Pin, PinSet
+from kvpool.core.pins import Pin, PinSet, PrefixNotCached
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.core.stats import PrefixCacheStats
 from kvpool.engine.config import EngineConfig, parse_size
@@ -115,7 +116,8 @@ class LLMEngine:
                                  page_sizes=self.runner.page_sizes, eviction_policy=config.eviction_policy,
                                  state_retention_interval=config.state_retention_tokens // bs,
                                  state_retention_budget=config.state_retention_budget)
-        self.pins = PinSet(self.kv.block_pool, int(config.pin_budget * self.kv.block_pool.num_usable_blocks))
+        self.pins = PinSet(self.kv.block_pool, int(config.pin_budget * self.kv.block_pool.num_usable_blocks),
+                           id_prefix=f"pin-{uuid.uuid4().hex[:8]}-")  # ids unique to this engine
         self.kv.external_holders.append(self.pins.held_blocks)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
                        if config.enable_prefix_caching else None)
@@ -206,7 +208,10 @@ class LLMEngine:
         check_prompt_length(len(ids), self.max_model_len, "prefix")
         n_full = len(ids) // self.kv.block_size
         hashes = CacheRequest("pin", ids, hasher=self.hasher, cache_salt=cache_salt).block_hashes[:n_full]
-        return self.pins.pin(hashes, now=time.monotonic(), ttl=ttl, num_tokens=n_full * self.kv.block_size)
+        n_tokens = n_full * self.kv.block_size
+        # (The tokens and salt go with the pin: a reset forgets its blocks, and they are computed again.)
+        return self.pins.pin(hashes, now=time.monotonic(), ttl=ttl, num_tokens=n_tokens,
+                             source=(tuple(ids[:n_tokens]), cache_salt))
 
     def _check_prompt_ids(self, ids: Sequence[int]) -> None:
         vocab = self.runner.num_embeddings  # special tokens (an image token) may follow the vocab
@@ -248,8 +253,15 @@ class LLMEngine:
         return self.kv.take_events()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block, in every tier; refused (False) while requests hold blocks."""
-        return self.kv.reset_prefix_cache()
+        """Forget every cached block, in every tier; refused (False), changing nothing, while requests run.
+        Pinned prefixes stay pinned, under the same ids: forgotten with the rest and computed again (after
+        new weights are loaded, a pin holds what the model computes now)."""
+        if self.has_unfinished_requests():
+            return False
+        saved = self.pins.clear()
+        ok = self.kv.reset_prefix_cache()
+        self._pin_again(saved)
+        return ok
 
     def list_pins(self) -> list[Pin]:
         """The live pins (expired ones released first)."""
@@ -396,21 +408,63 @@ class LLMEngine:
         self._forget(request_id)
         return req is not None or held is not None
 
-    def recover(self) -> None:
+    def recover(self, pin_again: bool = True) -> None:
         """After a step raised or was interrupted (an exception, Ctrl-C): abort every request, and forget
         every cached block. Blocks are cached when they are scheduled, before the forward writes them, so
         a step that did not finish may have left cached blocks half-written; a later request must never
-        hit one (a wrong token). Pins are dropped with them. The engine then serves as a fresh one would."""
+        hit one (a wrong token). The engine then serves as a fresh one would, except that the pinned
+        prefixes are computed and pinned again under their ids (`pin_again`; not after a Ctrl-C)."""
+        saved = self._forget_everything()
+        if pin_again:
+            self._pin_again(saved)
+
+    def _pin_cached(self, pin: Pin) -> bool:
+        """Pin a released pin's blocks again, under its id and until its expiry (nothing if that has
+        passed); False when they are not all cached."""
+        now = time.monotonic()
+        if pin.expires_at is not None and pin.expires_at <= now:
+            return True
+        try:
+            self.pins.pin(pin.hashes, now=now, ttl=None if pin.expires_at is None else pin.expires_at - now,
+                          num_tokens=pin.num_tokens, source=pin.source, pin_id=pin.pin_id)
+        except PrefixNotCached:
+            return False
+        return True
+
+    def _forget_everything(self) -> list[Pin]:
+        """Abort every request, release every pin and forget every cached block; the released pins."""
         for rid in list(self.scheduler.requests):
             self.abort_request(rid)
         if self.store is not None:
             for rid in self.store.held_ids():
                 self.abort_request(rid)
-        self.pins.clear()
+        saved = self.pins.clear()
         for _ in range(2):  # hand out the failed step's copies and the next one's: the host tier lets go
             self.kv.end_schedule_step()
         if not self.kv.reset_prefix_cache():
             raise RuntimeError("the engine could not be reset after a failed step; create a new one")
+        return saved
+
+    def _pin_again(self, saved: Sequence[Pin]) -> None:
+        """Make `saved` pins again, with their ids and expiry, computing each prefix (a reset forgot its
+        blocks). One at a time, so that each is pinned while its blocks are surely cached. With nothing
+        else running (a reset waits for idle; a recovery aborted everything), these steps are the only
+        ones. A step that fails here leaves half-written blocks again: everything is forgotten once more,
+        and the pins are dropped (logged) rather than tried in a loop."""
+        for i, pin in enumerate(saved):
+            try:
+                if not self._pin_cached(pin):
+                    tokens, salt = pin.source  # type: ignore[misc]  # (set by pin_prefix)
+                    self.add_request(list(tokens), SamplingParams(max_tokens=1), cache_salt=salt)
+                    while self.has_unfinished_requests():
+                        self.step()
+                    if not self._pin_cached(pin):
+                        raise PrefixNotCached(f"pin_prefix: {pin.pin_id}'s prefix was computed but not cached")
+            except Exception:
+                log.exception("pinning %d prefixes again after the cache was reset failed; every pin is dropped",
+                              len(saved) - i)
+                self._forget_everything()
+                return
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (self.store is not None and self.store.num_held() > 0)

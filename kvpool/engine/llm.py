@@ -130,8 +130,8 @@ class LLM:
                         results[order[out.request_id]] = out
                         if bar is not None:
                             bar.update(1)
-        except BaseException:  # a failed or interrupted step: leave an engine the next call can use
-            eng.recover()
+        except BaseException as e:  # a failed or interrupted step: leave an engine the next call can use
+            eng.recover(pin_again=isinstance(e, Exception))  # (after a Ctrl-C, compute nothing more)
             raise
         finally:
             if bar is not None:

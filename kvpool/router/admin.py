@@ -11,8 +11,8 @@ admin request is forwarded with the client's Authorization header, and a replica
 
 Pins are kept, not only made: while any live, the router checks every healthy replica's pins once a
 second (`PIN_CHECK_S`) and pins again, with the TTL that is left, wherever one is absent: on a
-replica that was down when the pin was made, one restarted since (a fresh process has no pins), or
-one that dropped its pins when it recovered from a failed step. Requests can land on any replica, so
+replica that was down when the pin was made, or one restarted since (a fresh process has no pins; a
+replica keeps its own through resets and recoveries). Requests can land on any replica, so
 a pin held by some replicas only would keep a prefix cached for some of its requests only. A replica
 that refuses the pin then (its budget is full of other pins) stays in `missing` and is asked again
 at the next check; the refusal is logged once.
@@ -45,6 +45,8 @@ log = logging.getLogger("kvpool.router")
 _FORWARD_HEADERS = ("authorization", "content-type", "accept")
 PIN_CHECK_S = 1.0  # how often the router makes sure every healthy replica holds every live pin
 _MIN_TTL_LEFT_S = 1.0  # a pin about to expire is not made again
+_PIN_LIST_TIMEOUT_S = 5.0  # a replica that does not list its pins in this long is asked at the next check
+_PIN_MAKE_TIMEOUT_S = 300.0  # making a pin again may compute its prefix on a busy replica
 
 
 def forward_headers(request: Request) -> dict[str, str]:
@@ -58,7 +60,7 @@ class RouterPin:
     num_tokens: int
     num_blocks: int
     expires_at: float | None  # time.monotonic(); None: until deleted
-    missing: list[str]  # healthy-again replicas that do not hold it yet, and replicas that are down
+    missing: list[str]  # replicas known not to hold it: down when it was made, or found without it since
     body: dict[str, Any]  # the client's pin request, to pin again where the pin is absent
     headers: dict[str, str]  # ... and its headers (the API key the replicas check)
     refused_by: set[str] = field(default_factory=set)  # replicas whose refusal was logged
@@ -114,36 +116,37 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         return None
 
     keeper: list[asyncio.Task[None]] = []  # the task keeping the live pins on every replica
+    checking: dict[str, asyncio.Task[None]] = {}  # replica -> its pin check in progress
 
     async def keep_pins() -> None:
         while live():
             await asyncio.sleep(PIN_CHECK_S)
-            try:
-                await restore_pins()
-            except Exception:  # a surprise must not end the keeping: log it, try again next time
-                log.exception("router: checking the replicas' pins failed")
+            # A check per replica, on its own: a replica slow to answer (or to compute a prefix) holds up
+            # only its own next check, never the others'.
+            for name, rep in router.replicas.items():
+                task = checking.get(name)
+                if rep.healthy and (task is None or task.done()):
+                    checking[name] = asyncio.create_task(check(name))
 
-    async def restore_pins() -> None:
-        """Pin again, on every healthy replica, each live pin it does not hold."""
+    async def check(name: str) -> None:
+        """Pin again on replica `name` each live pin it does not hold. A fault here only means trying
+        again at the next check: whether a replica is up is the health checks' call, not this one's."""
         by_key: dict[tuple[tuple[str, str], ...], list[RouterPin]] = {}
         for rp in live().values():
             by_key.setdefault(tuple(sorted(rp.headers.items())), []).append(rp)
-
-        async def on(name: str) -> None:
+        try:
             for key, group in by_key.items():
-                try:
-                    r = await client.get(f"{name}/v1/pins", headers=dict(key))
-                except httpx.HTTPError:
-                    router.mark_down(name)
-                    return
+                r = await client.get(f"{name}/v1/pins", headers=dict(key), timeout=_PIN_LIST_TIMEOUT_S)
                 if r.status_code != 200:
                     continue  # (a key the replica no longer takes: nothing to do for these pins)
                 held = {p["id"] for p in r.json()["data"]}
                 for rp in group:
-                    if rp.on.get(name) not in held:
+                    if rp.on.get(name) not in held and pins.get(rp.pin_id) is rp:
                         await repin(rp, name)
-
-        await asyncio.gather(*(on(n) for n, r in router.replicas.items() if r.healthy))
+        except httpx.HTTPError:
+            pass
+        except Exception:  # a surprise (a body that is not a pin list): log it, try again next time
+            log.exception("router: checking the pins of replica %s failed", name)
 
     async def repin(rp: RouterPin, name: str) -> None:
         rp.on.pop(name, None)
@@ -152,11 +155,8 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         left = None if rp.expires_at is None else rp.expires_at - time.monotonic()
         if left is not None and left < _MIN_TTL_LEFT_S:
             return
-        try:
-            r = await client.post(f"{name}/v1/pins", json=dict(rp.body, ttl=left), headers=rp.headers)
-        except httpx.HTTPError:
-            router.mark_down(name)
-            return
+        r = await client.post(f"{name}/v1/pins", json=dict(rp.body, ttl=left), headers=rp.headers,
+                              timeout=_PIN_MAKE_TIMEOUT_S)
         if r.status_code != 200:
             if name not in rp.refused_by:
                 rp.refused_by.add(name)
@@ -187,7 +187,8 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         first = next(iter(made.values()))
         # No later than any replica's own expiry (each counted its TTL from when it pinned, after
         # `sent_at`), so the keeper never sees a replica's pin gone while the router's lives on.
-        ttl = None if first.get("expires_in") is None else min(p["expires_in"] for p in made.values())
+        ttls = [p["expires_in"] for p in made.values() if p.get("expires_in") is not None]
+        ttl = min(ttls) if ttls else None
         rp = RouterPin(f"rpin-{uuid.uuid4().hex[:16]}", {n: p["id"] for n, p in made.items()}, first["num_tokens"],
                        first["num_blocks"], None if ttl is None else sent_at + ttl,
                        [n for n in router.replicas if n not in made], json.loads(raw), forward_headers(request))

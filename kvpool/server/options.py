@@ -40,8 +40,9 @@ class ServerConfig:
                                                    "ZeroMQ endpoint")
     kv_events_topic: str = option("kv-events", "topic frame of each published KV event batch")
     pin_prefix: tuple[str, ...] | None = option(
-        None, "keep this prefix (text, or @FILE for a file's text) cached on the device for as long as the server "
-        "runs; computed at start, pinned again after a recovery; repeatable", action="append", metavar="TEXT")
+        None, "keep this prefix (text, or @FILE for a file's text without its final newline) cached on the "
+        "device for as long as the server runs (computed at start; a reset computes it again); repeatable",
+        action="append", metavar="TEXT")
     pin_system_prompt: tuple[str, ...] | None = option(
         None, "the same for a chat system prompt (text or @FILE): pins what every chat that starts with it "
         "shares, in the form the model's chat template gives it; repeatable", action="append", metavar="TEXT")

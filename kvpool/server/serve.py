@@ -55,12 +55,8 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
     if any(r.lora_name == name for r in engine.list_loras()):
         raise ValueError(f"lora_modules: adapter name {name!r} is the served model's name; a request's `model` "
                          f"could not tell them apart")
-    standing = list(pin_prefixes)
-    pin_standing(engine, standing)
+    pin_standing(engine, pin_prefixes)  # (with no TTL: the engine keeps pins through resets and recoveries)
     async_engine = AsyncEngine(engine, max_pending=max_pending)
-    if standing:
-        # A failed step's recovery drops every pin; the standing ones are the server's own: pin them again.
-        async_engine.after_recovery.append(lambda e: pin_standing(e, standing))
     metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
     async_engine.add_listener(metrics.observe)
     if engine.store is not None:
@@ -147,9 +143,11 @@ def read_standing_prefixes(args: argparse.Namespace) -> list[StandingPrefix]:
             text = spec
             if spec.startswith("@"):
                 try:
-                    text = Path(spec[1:]).read_text()
-                except OSError as e:
-                    raise ValueError(f"{field}: cannot read {spec[1:]!r}: {e.strerror or e}") from None
+                    text = Path(spec[1:]).read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as e:
+                    raise ValueError(f"{field}: cannot read {spec[1:]!r}: {getattr(e, 'strerror', None) or e}"
+                                     ) from None
+                text = text.removesuffix("\n")  # (the newline an editor or `echo` ends a file with)
             if not text:
                 raise ValueError(f"{field}: {spec!r} is empty")
             out.append(StandingPrefix(text, system_prompt))
@@ -157,8 +155,8 @@ def read_standing_prefixes(args: argparse.Namespace) -> list[StandingPrefix]:
 
 
 def pin_standing(engine: LLMEngine, prefixes: Sequence[StandingPrefix]) -> None:
-    """Pin a server's standing prefixes until it stops, computing them first (call where nothing else
-    steps the engine: before serving, or on the engine thread). ValueError over the pin budget."""
+    """Pin a server's standing prefixes until it stops, computing them first, before it serves (nothing
+    else steps the engine yet). ValueError over the pin budget: the server does not start."""
     from kvpool.engine.llm import LLM
 
     llm = LLM.from_engine(engine)

@@ -41,7 +41,13 @@ _FAILED: Any = object()  # what `BlockStore._call` returns for a failed or skipp
 
 
 class StoreError(RuntimeError):
-    """A backend could not complete a call (down, slow, full, or refused). Callers see misses instead."""
+    """A backend could not complete a call (down, slow, full, or refused). Callers see misses instead.
+    `refused`: the backend answered and said no (full: a server at its memory limit, a full disk), so it
+    is not down, only not taking these writes."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass(frozen=True)
@@ -215,6 +221,7 @@ class BlockStore:
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
         self._down = False
+        self._refusing = False  # the backend refused a write (full) and has not taken one since
 
     @property
     def available(self) -> bool:
@@ -222,7 +229,8 @@ class BlockStore:
 
     def _call(self, what: str, fn: Any, *args: Any, counted: bool = True) -> Any:
         """Run one backend call; `_FAILED` when it failed or was skipped while backing off. A call that
-        is not `counted` (a probe) moves no traffic counter: only errors and the up/down state."""
+        is not `counted` (a probe) moves no counter (a second's probe of a long outage is not an error
+        each): only the up/down state."""
         now = time.monotonic()
         if self._down and now < self._down_until:
             if counted:
@@ -232,7 +240,15 @@ class BlockStore:
         try:
             out = fn(*args)
         except Exception as e:  # any backend fault is a miss: the store never fails a request
-            self.stats.add(errors=1)
+            if counted:
+                self.stats.add(errors=1)
+            if isinstance(e, StoreError) and e.refused:
+                # Up, but not taking writes: no back-off (reads work), one warning until writes work again.
+                if not self._refusing:
+                    log.warning("KV store %s: %s refused (%s); blocks are not stored until it takes them again",
+                                self.store.url, what, e)
+                self._refusing = True
+                return _FAILED
             self._down_until = time.monotonic() + self.retry_after_s
             if not self._down:
                 log.warning("KV store %s: %s failed (%s); serving from local tiers, retrying every %.1fs",
@@ -260,6 +276,7 @@ class BlockStore:
         items = [(self.fp.key(h), encode_value(self.fp, h, p)) for h, p in blocks]
         if self._call("put", self.store.put_many, items) is _FAILED:
             return False
+        self._refusing = False
         self.stats.add(bytes_written=sum(len(v) for _, v in items), blocks_written=len(items))
         return True
 

@@ -47,8 +47,8 @@ class FileStore(KVStore):
                         os.unlink(tmp)
                     raise
         except OSError as e:
-            kind = "full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "I/O error"
-            raise StoreError(f"{kind}: {e}") from e
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise StoreError(f"{'full' if full else 'I/O error'}: {e}", refused=full) from e
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []

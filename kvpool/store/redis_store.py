@@ -43,6 +43,7 @@ class RedisStore(KVStore):
         self.url = f"redis://{u.hostname}:{port}/{db}"
         self.ttl_s = ttl_s
         self._errors = (redis.RedisError, OSError)
+        self._refusals = (redis.ResponseError,)
         self.client = redis.Redis(host=u.hostname, port=port, db=db, password=u.password,
                                   username=u.username, socket_timeout=timeout_s,
                                   socket_connect_timeout=connect_timeout_s,
@@ -55,6 +56,8 @@ class RedisStore(KVStore):
             for k, v in items:
                 pipe.set(k, v, ex=self.ttl_s)
             pipe.execute()
+        except self._refusals as e:  # the server answered no: OOM at maxmemory, a read-only replica
+            raise StoreError(str(e), refused=True) from e
         except self._errors as e:
             raise StoreError(str(e)) from e
 

@@ -102,13 +102,19 @@ def test_not_cached_and_salted_prefixes_are_not_shared() -> None:
     assert pin.block_ids == [mgr.block_pool.get_cached_block(h).block_id for h in hashes(SYSTEM, "tenant-a")]
 
 
-def test_repin_refreshes_ttl_and_unpin_releases_tail_first() -> None:
+def test_each_pin_of_a_prefix_is_its_own_and_unpin_releases_tail_first() -> None:
     mgr = KVCacheManager(12, BS)
     run(mgr, "sys", [*SYSTEM, 1])
     pins = pinset(mgr, 3)
-    pin = pins.pin(hashes(SYSTEM), now=0.0, ttl=5.0)
-    assert pins.pin(hashes(SYSTEM), now=4.0, ttl=5.0) is pin  # refreshed: now until 9
-    assert pins.expire(5.0) == [] and pins.num_pinned_blocks == 3
+    standing = pins.pin(hashes(SYSTEM), now=0.0, ttl=None)  # e.g. a server's --pin-system-prompt
+    pin = pins.pin(hashes(SYSTEM), now=0.0, ttl=5.0)  # a client's pin of the same prompt: no budget of its own
+    assert pin.pin_id != standing.pin_id and pin.block_ids == standing.block_ids == [1, 2, 3]
+    assert [mgr.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [2, 2, 2] and pins.num_pinned_blocks == 3
+    mgr.check_integrity()
+    # The client's pin ends (its TTL, or its unpin): the standing one holds the blocks on.
+    assert pins.expire(5.0) == [pin.pin_id] and not pins.unpin(pin.pin_id)
+    assert [mgr.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [1, 1, 1] and pins.num_pinned_blocks == 3
+    pin = standing
     assert pins.unpin(pin.pin_id) and not pins.unpin(pin.pin_id)
     # Released like a finished request: the tail of the chain is evicted before its head.
     order = mgr.block_pool.free_block_ids()

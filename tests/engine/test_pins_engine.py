@@ -74,10 +74,10 @@ def test_ttls_that_are_not_a_duration_and_pins_of_another_engine(tiny_llama_dir:
             a.pin_prefix(toks(1, 8), ttl=ttl)  # type: ignore[arg-type]
     forever = a.pin_prefix(toks(1, 8), ttl=float("inf"))
     assert forever.expires_at is None
-    # Pin ids are per engine (both are "pin-1"): b's pin does not unpin a's.
+    # Pin ids name one engine's pins: b's first pin is not a's (nor is its id), and does not unpin a's.
     theirs = b.pin_prefix(toks(2, 8))
-    assert theirs.pin_id == forever.pin_id
-    assert a.unpin(theirs) is False and a.engine.pins.num_pinned_blocks == 2
+    assert theirs.pin_id != forever.pin_id and theirs.pin_id.endswith("-1") and forever.pin_id.endswith("-1")
+    assert a.unpin(theirs) is False and a.unpin(theirs.pin_id) is False and a.engine.pins.num_pinned_blocks == 2
     assert a.unpin(forever) is True and a.engine.pins.num_pinned_blocks == 0
     with pytest.raises(TypeError, match=r"^pin: expected a Pin or a pin id"):
         a.unpin(None)  # type: ignore[arg-type]
@@ -115,5 +115,35 @@ def test_a_system_prompt_is_pinned_as_what_every_chat_with_it_shares(chat_llama_
     outs = llm.chat(chats, SamplingParams.greedy(2), use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [pin.num_tokens] * 2
     for bad in ({}, {"prompt": "x", "messages": system}):
-        with pytest.raises(ValueError, match="^prompt: give the prefix as `prompt` or as `messages`"):
+        with pytest.raises(ValueError, match=r"^prompt: give the prefix as `prompt` or as `messages`"):
             llm.pin_prefix(**bad)
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("kernel exploded"), KeyboardInterrupt()])
+def test_pins_are_computed_again_after_a_failed_step_but_not_after_ctrl_c(tiny_llama_dir: Path,
+                                                                          fault: BaseException) -> None:
+    llm = make(tiny_llama_dir, pin_budget=0.3)
+    eng = llm.engine
+    pin = llm.pin_prefix(SYSTEM, ttl=3600)
+    greedy = SamplingParams.greedy(4)
+    want = llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0].token_ids
+    real, calls = eng.step, {"n": 0}
+
+    def step_that_fails_once() -> list:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise fault
+        return real()
+
+    eng.step = step_that_fails_once  # type: ignore[method-assign]
+    with pytest.raises(type(fault)):
+        llm.generate([toks(3, 24)], greedy, use_tqdm=False)
+    eng.kv.check_integrity()
+    if isinstance(fault, KeyboardInterrupt):  # the user stopped it: nothing more is computed
+        assert eng.pins.pins == {} and calls["n"] == 1
+        return
+    # Computed again (one more step) and pinned under the same id, until the same expiry.
+    again = eng.pins.pins[pin.pin_id]
+    assert calls["n"] == 2 and again.expires_at == pin.expires_at and len(again.blocks) == 5
+    out = llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 20 and out.token_ids == want

@@ -96,7 +96,7 @@ def test_a_system_prompt_pinned_by_its_messages(pinned_server: ServerHandle) -> 
 
 def test_standing_pins_are_made_at_start_and_again_after_a_recovery(chat_llama_dir: Path, tmp_path: Path) -> None:
     prompt_file = tmp_path / "system.txt"
-    prompt_file.write_text(SYSTEM)
+    prompt_file.write_text(SYSTEM + "\n")
     args = build_parser().parse_args(["serve", "--pin-system-prompt", f"@{prompt_file}",
                                       "--pin-prefix", "Once upon a time " * 8])
     standing = read_standing_prefixes(args)
@@ -119,10 +119,20 @@ def test_standing_pins_are_made_at_start_and_again_after_a_recovery(chat_llama_d
         eng.step = step_that_fails_once  # type: ignore[method-assign]
         assert chat(h.url, "Hello?").status_code == 503  # failed in the step; the engine recovered
         again = httpx.get(f"{h.url}/v1/pins", headers=KEY).json()["data"]
-        assert [p["num_tokens"] for p in again] == [32, 32]
-        assert {p["id"] for p in again}.isdisjoint(p["id"] for p in first)  # pinned anew
-        # The reset dropped every cached block, yet the system prompt hits: it was computed and pinned again.
+        assert [(p["id"], p["num_tokens"], p["expires_in"]) for p in again] == [(p["id"], 32, None) for p in first]
+        # The recovery forgot every cached block, yet the system prompt hits: it was computed and pinned again.
         assert chat(h.url, "Hi!").json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+        # So does a reset (refused with pins before: their blocks were never free), and a client's pin too.
+        r = httpx.post(f"{h.url}/v1/pins", json={"prompt": list(range(1000, 1000 + 16 * 2)), "ttl": 600},
+                       headers=KEY, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"{h.url}/reset_prefix_cache", headers=KEY).json() == {"reset": True}
+        after = httpx.get(f"{h.url}/v1/pins", headers=KEY).json()["data"]
+        assert [p["id"] for p in after] == [p["id"] for p in first] + [r.json()["id"]]
+        assert 590 < after[2]["expires_in"] <= r.json()["expires_in"]
+        hit = httpx.post(f"{h.url}/v1/completions", headers=KEY, json={
+            "prompt": list(range(1000, 1000 + 16 * 2 + 1)), "max_tokens": 1}).json()
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     finally:
         h.stop()
 
