@@ -100,7 +100,6 @@ class ARCPolicy(NoObservations):
             del self.b2[block_hash]
             self._seen_again.add(block_hash)
 
-
     def reset(self) -> None:
         """Forget the history (the cache was reset); the caller re-queues the blocks as empty."""
         self.t1.clear()

@@ -332,8 +332,12 @@ class LLMEngine:
             messages = [messages]
         if not isinstance(messages, list | tuple) or not messages:
             raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
-        a = self.apply_chat_template([*messages, {"role": "user", "content": "A"}])
-        b = self.apply_chat_template([*messages, {"role": "user", "content": "Z"}])
+        # The turn that follows: a user's, or after a user's message the answer (templates that check the
+        # roles alternate refuse two user turns in a row).
+        last = messages[-1].get("role") if isinstance(messages[-1], dict) else None
+        role = "assistant" if last == "user" else "user"
+        a = self.apply_chat_template([*messages, {"role": role, "content": "A"}])
+        b = self.apply_chat_template([*messages, {"role": role, "content": "Z"}])
         n = 0
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1

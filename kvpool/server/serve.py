@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -23,6 +23,10 @@ from kvpool.server.app import create_app
 from kvpool.server.kv_events import KVEventPublisher
 from kvpool.server.media import MediaOptions
 from kvpool.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from kvpool.core.pins import Pin
+    from kvpool.engine.llm import LLM
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +133,7 @@ class StandingPrefix:
     text: str
     system_prompt: bool = False
 
-    def pin(self, llm: Any) -> Any:
+    def pin(self, llm: LLM) -> Pin:
         if self.system_prompt:
             return llm.pin_prefix(messages=[{"role": "system", "content": self.text}])
         return llm.pin_prefix(self.text)

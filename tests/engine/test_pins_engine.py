@@ -110,6 +110,11 @@ def test_a_system_prompt_is_pinned_as_what_every_chat_with_it_shares(chat_llama_
         assert full[0][:len(alone)] == alone
     else:  # why the system message rendered alone won't do: here it holds not one block of the prompt
         assert len(alone) < 16 and len(prefix) >= 32
+    # Messages that end with a user's turn (a few-shot example) go on with the answer, not a second user turn.
+    shot = [*system, {"role": "user", "content": "2+2?"}]
+    longer = eng.chat_prefix(shot)
+    conv = eng.apply_chat_template([*shot, {"role": "assistant", "content": "4."}, {"role": "user", "content": "3+3?"}])
+    assert conv[:len(longer)] == longer and longer[:len(prefix)] == prefix and len(longer) > len(prefix)
     pin = llm.pin_prefix(messages=system)
     assert pin.num_tokens == len(prefix) // 16 * 16 >= 32
     outs = llm.chat(chats, SamplingParams.greedy(2), use_tqdm=False)
