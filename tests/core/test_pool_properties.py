@@ -20,6 +20,7 @@ from kvpool.core.eviction import policy_names
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.kv_cache_manager import KVCacheManager
 from kvpool.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvpool.core.pins import PinBudgetExceeded, PinSet, PrefixNotCached
 from kvpool.core.request import CacheRequest
 from kvpool.core.single_type_manager import MambaManager
 
@@ -295,8 +296,89 @@ class StateRetentionMachine(PoolMachine):
                               state_retention_interval=1, state_retention_budget=2)
 
 
+class PinsMachine(PoolMachine):
+    """Pins (kvpool.core.pins) among the requests: overlapping pins of shared prefixes, their own TTLs
+    and unpins, refusals that change nothing, and resets that release them (made again from the
+    cache when the reset is refused, as the engine does); pinned blocks always carry their hashes."""
+
+    BUDGET = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pins = PinSet(self.mgr.block_pool, self.BUDGET, id_prefix="p")
+        self.mgr.external_holders.append(self.pins.held_blocks)
+        self.now = 0.0
+        self.expiry: dict[str, float | None] = {}  # the model: live pin id -> when it ends
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), ttl=st.sampled_from([None, 1.0, 3.0]))
+    def pin(self, prefix: int, ttl: float | None) -> None:
+        tokens = PREFIXES[prefix]
+        hashes = CacheRequest("h", tokens, hasher=self.hasher).block_hashes[:len(tokens) // BS]
+        before = (snapshot(self.mgr), self.pins.num_pinned_blocks, sorted(self.pins.pins))
+        try:
+            pin = self.pins.pin(hashes, now=self.now, ttl=ttl, num_tokens=len(hashes) * BS)
+        except PinBudgetExceeded:
+            assert self.pins.num_pinned_blocks + len(set(hashes) - self.pinned_hashes()) > self.BUDGET
+            assert (snapshot(self.mgr), self.pins.num_pinned_blocks, sorted(self.pins.pins)) == before
+            return
+        except PrefixNotCached:
+            assert any(self.mgr.block_pool.get_cached_block(h) is None for h in hashes)
+            assert (snapshot(self.mgr), self.pins.num_pinned_blocks, sorted(self.pins.pins)) == before
+            return
+        assert pin.pin_id not in self.expiry  # every pin is its own, even of a prefix already pinned
+        self.expiry[pin.pin_id] = None if ttl is None else self.now + ttl
+
+    def pinned_hashes(self) -> set:
+        return {h for pin in self.pins.pins.values() for h in pin.hashes}
+
+    @precondition(lambda self: self.expiry)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        pin_id = data.draw(st.sampled_from(sorted(self.expiry)))
+        assert self.pins.unpin(pin_id) and not self.pins.unpin(pin_id)
+        del self.expiry[pin_id]
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 2.0]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        gone = self.pins.expire(self.now)
+        assert sorted(gone) == sorted(p for p, at in self.expiry.items() if at is not None and at <= self.now)
+        for p in gone:
+            del self.expiry[p]
+
+    @precondition(lambda self: not self.scheduled)
+    @rule()
+    def reset(self) -> None:
+        saved = self.pins.clear()
+        assert sorted(p.pin_id for p in saved) == sorted(self.expiry)
+        super().reset()
+        if self.mgr.block_pool.cached:  # refused (requests hold blocks): the pins are made again, as they were
+            for pin in saved:
+                left = None if pin.expires_at is None else pin.expires_at - self.now
+                self.pins.pin(pin.hashes, now=self.now, ttl=left, num_tokens=pin.num_tokens, pin_id=pin.pin_id)
+        else:
+            self.expiry.clear()  # (the engine computes them again; the core alone cannot)
+
+    @invariant()
+    def pinned_blocks_hold_their_prefix(self) -> None:
+        assert sorted(self.pins.pins) == sorted(self.expiry)
+        holders: Counter[int] = Counter()
+        for pin in self.pins.pins.values():
+            assert [b.block_hash for b in pin.blocks] == list(pin.hashes)
+            holders.update(b.block_id for b in pin.blocks)
+        for bid, n in holders.items():
+            assert self.mgr.block_pool.blocks[bid].ref_cnt >= n
+        assert self.pins.num_pinned_blocks == len(holders) <= self.BUDGET
+
+    def teardown(self) -> None:
+        self.pins.clear()
+        super().teardown()
+
+
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestPins = PinsMachine.TestCase
+TestPins.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestHostTier = HostTierMachine.TestCase
 TestHostTier.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestArcHostTier = ArcHostTierMachine.TestCase
