@@ -324,10 +324,10 @@ class LLMEngine:
         return list(ids)
 
     def chat_prefix(self, messages: list[dict[str, str]]) -> list[int]:
-        """The token ids that every chat starting with `messages` (a system prompt, few-shot turns) and
-        going on with a user message starts with: what to pin for them. Templates differ in where a system
-        prompt goes (a turn of its own, or inside the first user turn), so this renders `messages` with two
-        different user messages after them and keeps what the two have in common."""
+        """The token ids that every chat starting with `messages` (a system prompt, few-shot turns) starts
+        with: what to pin for them. Templates differ in where a system prompt goes (a turn of its own, or
+        inside the first user turn), so this renders `messages` followed by two different next turns (a
+        user's; an answer after a user's message) and keeps what the two renderings have in common."""
         if isinstance(messages, dict):
             messages = [messages]
         if not isinstance(messages, list | tuple) or not messages:

@@ -25,7 +25,7 @@ class LLM:
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """The offline API over an engine already built (call it only where nothing else steps the engine:
-        a server pins its `--pin-prefix` prefixes with it before it serves, and on its engine thread)."""
+        a server pins its `--pin-prefix` prefixes with it before it serves)."""
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
