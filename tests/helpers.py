@@ -214,3 +214,18 @@ def peft_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]], 
                                min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
             out.append(ids[0][len(p):].tolist())
     return out
+
+
+def fail_first_step(engine: object, fault: BaseException | None = None) -> dict[str, int]:
+    """Make an engine's next step raise `fault` (RuntimeError("kernel exploded") by default) and the later
+    ones run as before; the dict returned counts the steps tried since (`steps`)."""
+    real, calls = engine.step, {"steps": 0}  # type: ignore[attr-defined]
+
+    def step() -> list:
+        calls["steps"] += 1
+        if calls["steps"] == 1:
+            raise fault if fault is not None else RuntimeError("kernel exploded")
+        return real()
+
+    engine.step = step  # type: ignore[attr-defined]
+    return calls

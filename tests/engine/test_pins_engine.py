@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers import fail_first_step
 
 from kvpool.core.eviction import policy_names
 from kvpool.engine.llm import LLM
@@ -132,23 +133,15 @@ def test_pins_are_computed_again_after_a_failed_step_but_not_after_ctrl_c(tiny_l
     pin = llm.pin_prefix(SYSTEM, ttl=3600)
     greedy = SamplingParams.greedy(4)
     want = llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0].token_ids
-    real, calls = eng.step, {"n": 0}
-
-    def step_that_fails_once() -> list:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise fault
-        return real()
-
-    eng.step = step_that_fails_once  # type: ignore[method-assign]
+    calls = fail_first_step(eng, fault)
     with pytest.raises(type(fault)):
         llm.generate([toks(3, 24)], greedy, use_tqdm=False)
     eng.kv.check_integrity()
     if isinstance(fault, KeyboardInterrupt):  # the user stopped it: nothing more is computed
-        assert eng.pins.pins == {} and calls["n"] == 1
+        assert eng.pins.pins == {} and calls["steps"] == 1
         return
     # Computed again (one more step) and pinned under the same id, until the same expiry.
     again = eng.pins.pins[pin.pin_id]
-    assert calls["n"] == 2 and again.expires_at == pin.expires_at and len(again.blocks) == 5
+    assert calls["steps"] == 2 and again.expires_at == pin.expires_at and len(again.blocks) == 5
     out = llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0]
     assert out.num_cached_tokens == 20 and out.token_ids == want

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import fail_first_step
 from server_helpers import leave_early, make_engine, metric
 
 from kvpool.engine.async_engine import StepReport
@@ -182,16 +183,7 @@ def test_a_failed_step_fails_its_requests_and_the_server_serves_on(chat_llama_di
     try:
         eng = h.engine.engine
         want = httpx.post(f"{h.url}/v1/completions", content=body(), timeout=30).json()["choices"][0]["text"]
-        real = eng.step
-        fails = {"left": 1}
-
-        def step_that_fails_once() -> list:
-            if fails["left"]:
-                fails["left"] -= 1
-                raise RuntimeError("kernel exploded")
-            return real()
-
-        eng.step = step_that_fails_once  # type: ignore[method-assign]
+        fail_first_step(eng)
         r = httpx.post(f"{h.url}/v1/completions", content=body(prompt="other words"), timeout=30)
         assert r.status_code == 503 and "kernel exploded" in r.json()["error"]["message"], r.text
         assert "retry" in r.json()["error"]["message"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import fail_first_step
 from server_helpers import make_engine, metric
 
 from kvpool.cli import build_parser
@@ -107,16 +108,7 @@ def test_standing_pins_are_made_at_start_and_again_after_a_recovery(chat_llama_d
         first = httpx.get(f"{h.url}/v1/pins", headers=KEY).json()["data"]
         assert [(p["num_tokens"], p["expires_in"]) for p in first] == [(32, None), (32, None)]
         assert chat(h.url, "Hi!").json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
-        eng = h.engine.engine
-        real, fails = eng.step, {"left": 1}
-
-        def step_that_fails_once() -> list:
-            if fails["left"]:
-                fails["left"] -= 1
-                raise RuntimeError("kernel exploded")
-            return real()
-
-        eng.step = step_that_fails_once  # type: ignore[method-assign]
+        fail_first_step(h.engine.engine)
         assert chat(h.url, "Hello?").status_code == 503  # failed in the step; the engine recovered
         again = httpx.get(f"{h.url}/v1/pins", headers=KEY).json()["data"]
         assert [(p["id"], p["num_tokens"], p["expires_in"]) for p in again] == [(p["id"], 32, None) for p in first]
