@@ -24,7 +24,6 @@ hold blocks: 409) is named in the answer, and the others stay reset (a reset can
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -36,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpool.server.errors import APIError, read_raw
+from kvpool.server.json_body import BodyError, parse_json_object
 
 if TYPE_CHECKING:
     from kvpool.router.app import Router
@@ -174,6 +174,10 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
     @app.post("/v1/pins")
     async def pin(request: Request) -> Response:
         raw = await read_raw(request, max_body_bytes)
+        try:  # (kept, to pin again on a replica that comes back; the replicas check the rest)
+            body = parse_json_object(raw, request.headers.get("content-type"))
+        except BodyError as e:
+            raise APIError(400, str(e)) from None
         sent_at = time.monotonic()
         results = await each("POST", "/v1/pins", forward_headers(request), raw)
         made = {n: r.json() for n, r in results if r is not None and r.status_code == 200}  # kvpool's pin objects
@@ -191,7 +195,7 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         ttl = min(ttls) if ttls else None
         rp = RouterPin(f"rpin-{uuid.uuid4().hex[:16]}", {n: p["id"] for n, p in made.items()}, first["num_tokens"],
                        first["num_blocks"], None if ttl is None else sent_at + ttl,
-                       [n for n in router.replicas if n not in made], json.loads(raw), forward_headers(request))
+                       [n for n in router.replicas if n not in made], body, forward_headers(request))
         live()[rp.pin_id] = rp
         if not keeper or keeper[0].done():
             keeper[:] = [asyncio.create_task(keep_pins())]
