@@ -77,6 +77,11 @@ class LLM:
             self.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False, cache_salt=cache_salt)
             return eng.pin_prefix(prompt, ttl=ttl, cache_salt=cache_salt)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (as vLLM's `LLM.reset_prefix_cache`); pinned prefixes are computed
+        again and stay pinned. False while requests run (none do between `generate` calls)."""
+        return self.engine.reset_prefix_cache()
+
     def unpin(self, pin: Pin | str) -> bool:
         """Release a pin (its blocks become evictable); False if it had already ended."""
         if isinstance(pin, Pin):

@@ -110,6 +110,12 @@ def test_stats_and_prefix_cache_reset_through_the_public_api(llm: LLM) -> None:
     assert after.num_blocks == eng.kv.block_pool.num_blocks and after.host_usage is None and not eng.has_host_tier
     assert eng.reset_prefix_cache()
     assert eng.list_pins() == [] and after.num_pins == 0
+    # Offline, as in vLLM: the repeated prompt hits before the reset and not after it.
+    prompt = list(range(1, 13))
+    llm.generate([prompt], SamplingParams.greedy(1), use_tqdm=False)
+    assert llm.generate([prompt], SamplingParams.greedy(1), use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], SamplingParams.greedy(1), use_tqdm=False)[0].num_cached_tokens == 0
 
 
 def test_prompts_in_every_form_a_caller_has(llm: LLM) -> None:
