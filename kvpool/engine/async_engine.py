@@ -127,7 +127,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._last_stats = (0, 0, 0, 0)
-        self._aborted_since_report = False
+        self._unreported = False
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -183,6 +183,18 @@ class AsyncEngine:
     async def chat_prefix(self, messages: list[dict[str, Any]]) -> list[int]:
         """`LLMEngine.chat_prefix`, off the event loop (and off the engine thread)."""
         return await asyncio.to_thread(self.engine.chat_prefix, messages)
+
+    async def reset_prefix_cache(self) -> bool:
+        """`LLMEngine.reset_prefix_cache` on the engine thread. Its KV events (every block cleared, pinned
+        prefixes stored again) go out right away, not with the next step: a router indexing this replica
+        must not route by blocks it no longer holds."""
+
+        def reset(e: LLMEngine) -> bool:
+            ok = e.reset_prefix_cache()
+            self._unreported = True  # (on the engine thread: the idle loop publishes a report)
+            return ok
+
+        return await self.call(reset)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """`apply_chat_template`, blocking: for code already off the event loop (the tokenizer has its own lock,
@@ -261,8 +273,9 @@ class AsyncEngine:
                         if failed >= self.MAX_FAILED_STEPS:
                             raise
                         self._recover(e)
-                elif self._aborted_since_report and self._listeners:
-                    # No step will follow to report the blocks an abort freed; report them now.
+                elif self._unreported and self._listeners:
+                    # No step will follow to report what changed (an abort freed blocks, a reset cleared
+                    # them): report it now.
                     self._publish(self._report())
         except BaseException as e:  # a bug in a step: fail every request loudly rather than hang them
             log.exception("engine step failed; the engine is stopped")
@@ -281,7 +294,7 @@ class AsyncEngine:
             self._done(rid)
         self._streams.clear()
         self.engine.recover()  # (pinned prefixes are computed and pinned again, on this thread)
-        self._aborted_since_report = True
+        self._unreported = True
 
     def _fail_all(self, dead: EngineDeadError) -> None:
         for stream in self._streams.values():
@@ -321,7 +334,7 @@ class AsyncEngine:
                 if self._streams.pop(item[1], None) is not None:
                     self.engine.abort_request(item[1])
                     self._done(item[1])
-                    self._aborted_since_report = True
+                    self._unreported = True
             elif kind == "call":
                 _, fn, fut = item
                 try:
@@ -361,7 +374,7 @@ class AsyncEngine:
             self._publish(report)
 
     def _publish(self, report: StepReport) -> None:
-        self._aborted_since_report = False
+        self._unreported = False
         for fn in self._listeners:
             fn(report)
 

@@ -290,7 +290,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         authorize(request)
         try:
-            ok = await engine.call(lambda e: e.reset_prefix_cache())
+            ok = await engine.reset_prefix_cache()
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         if not ok:

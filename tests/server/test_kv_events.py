@@ -46,9 +46,8 @@ def test_subscriber_sees_stored_blocks_and_a_reset(chat_llama_dir: Path) -> None
         first = stored[0]
         assert first["parent_block_hash"] is None and first["token_ids"][:BLOCK] == prompt[:BLOCK]
         assert first["block_size"] == BLOCK and first["medium"] == "GPU"
-        assert h.engine.call_soon(lambda e: e.kv.reset_prefix_cache()).result(10)
-        # The reset is published with the next step's events.
-        assert httpx.post(f"{h.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+        # The reset is published at once, with no step after it (a router must not route by cleared blocks).
+        assert httpx.post(f"{h.url}/reset_prefix_cache").json() == {"reset": True}
         seen: list = []
         while not any(e["type"] == "AllBlocksCleared" for e in seen):
             _, seq, payload = sub.recv_multipart()
