@@ -85,7 +85,8 @@ class PinSet:
     def pin(self, hashes: Sequence[BlockHash], *, now: float, ttl: float | None, num_tokens: int = 0,
             source: object = None, pin_id: str | None = None) -> Pin:
         """Pin the cached blocks holding `hashes` (a chain, head first) until `now + ttl`, under a new id
-        (or `pin_id`: a pin made again after a reset keeps the id its holder knows).
+        (or `pin_id`, an id this set issued before: a pin made again after a reset keeps the id its holder
+        knows).
 
         Raises PrefixNotCached if any of them is not cached, ValueError if the pin would exceed the
         budget; either way nothing changes."""
@@ -125,6 +126,9 @@ class PinSet:
         self.pins[pin.pin_id] = pin
         if expires_at is not None:
             heapq.heappush(self._expiry, (expires_at, pin.pin_id))
+            if len(self._expiry) > 2 * len(self.pins) + 64:  # entries of ended pins: drop them
+                self._expiry = [(p.expires_at, i) for i, p in self.pins.items() if p.expires_at is not None]
+                heapq.heapify(self._expiry)
         return pin
 
     def unpin(self, pin_id: str) -> bool:
@@ -145,7 +149,11 @@ class PinSet:
         heap = self._expiry
         while heap and heap[0][0] <= now:
             _, pin_id = heapq.heappop(heap)
-            if self.unpin(pin_id):  # (False: unpinned before its TTL passed)
+            pin = self.pins.get(pin_id)
+            # (An entry outlives its pin: unpinned before its TTL, or released and made again under the
+            # same id with an expiry of its own. Only the live pin's own expiry ends it.)
+            if pin is not None and pin.expires_at is not None and pin.expires_at <= now:
+                self.unpin(pin_id)
                 gone.append(pin_id)
         return gone
 

@@ -118,6 +118,7 @@ class LLMEngine:
                                  state_retention_budget=config.state_retention_budget)
         self.pins = PinSet(self.kv.block_pool, int(config.pin_budget * self.kv.block_pool.num_usable_blocks),
                            id_prefix=f"pin-{uuid.uuid4().hex[:8]}-")  # ids unique to this engine
+        self._pins_lost: list[Pin] = []  # pins a failed step kept from being made again (tried at the next reset)
         self.kv.external_holders.append(self.pins.held_blocks)
         self.hasher = (BlockHasher(bs, config.hash_algo, config.hash_seed)
                        if config.enable_prefix_caching else None)
@@ -219,6 +220,10 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
 
     def unpin(self, pin_id: str) -> bool:
+        lost = [p for p in self._pins_lost if p.pin_id != pin_id]
+        if len(lost) < len(self._pins_lost):  # waiting to be made again: it will not be
+            self._pins_lost = lost
+            return True
         return self.pins.unpin(pin_id)
 
     def expire_pins(self) -> int:
@@ -255,13 +260,13 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, in every tier; refused (False), changing nothing, while requests run.
         Pinned prefixes stay pinned, under the same ids: forgotten with the rest and computed again (after
-        new weights are loaded, a pin holds what the model computes now)."""
+        new weights are loaded, a pin holds what the model computes now; with a store tier, what the store
+        holds comes back from it, as for any request). Host-tier copies still owed are dropped with the
+        blocks they were for."""
         if self.has_unfinished_requests():
             return False
-        saved = self.pins.clear()
-        ok = self.kv.reset_prefix_cache()
-        self._pin_again(saved)
-        return ok
+        self._pin_again(self._forget_everything())
+        return True
 
     def list_pins(self) -> list[Pin]:
         """The live pins (expired ones released first)."""
@@ -436,13 +441,14 @@ class LLMEngine:
         return True
 
     def _forget_everything(self) -> list[Pin]:
-        """Abort every request, release every pin and forget every cached block; the released pins."""
+        """Abort every request, release every pin and forget every cached block; the released pins (and
+        those a failed `_pin_again` could not make: they are tried again with these)."""
         for rid in list(self.scheduler.requests):
             self.abort_request(rid)
         if self.store is not None:
             for rid in self.store.held_ids():
                 self.abort_request(rid)
-        saved = self.pins.clear()
+        saved, self._pins_lost = self._pins_lost + self.pins.clear(), []
         for _ in range(2):  # hand out the failed step's copies and the next one's: the host tier lets go
             self.kv.end_schedule_step()
         if not self.kv.reset_prefix_cache():
@@ -457,17 +463,27 @@ class LLMEngine:
         and the pins are dropped (logged) rather than tried in a loop."""
         for i, pin in enumerate(saved):
             try:
+                if self._pin_cached(pin):
+                    continue
+                tokens, salt = pin.source  # type: ignore[misc]  # (set by pin_prefix)
+                self.add_request(list(tokens), SamplingParams.greedy(1), cache_salt=salt)
+            except Exception:  # this pin alone cannot be made (nothing ran): the others go on
+                log.exception("pin %s could not be made again after the cache was reset; it is dropped",
+                              pin.pin_id)
+                continue
+            try:
+                while self.has_unfinished_requests():
+                    self.step()
                 if not self._pin_cached(pin):
-                    tokens, salt = pin.source  # type: ignore[misc]  # (set by pin_prefix)
-                    self.add_request(list(tokens), SamplingParams(max_tokens=1), cache_salt=salt)
-                    while self.has_unfinished_requests():
-                        self.step()
-                    if not self._pin_cached(pin):
-                        raise PrefixNotCached(f"pin_prefix: {pin.pin_id}'s prefix was computed but not cached")
-            except Exception:
-                log.exception("pinning %d prefixes again after the cache was reset failed; every pin is dropped",
-                              len(saved) - i)
-                self._forget_everything()
+                    raise PrefixNotCached(f"pin_prefix: {pin.pin_id}'s prefix was computed but not cached")
+            except BaseException as e:  # a step failed (or Ctrl-C): half-written blocks again
+                rest = [p for p in saved[i:] if p.expires_at is None or p.expires_at > time.monotonic()]
+                log.error("a step failed while pinning prefixes again after a reset (%r); the cache is reset "
+                          "once more, and %d pins wait for the next reset or recovery", e, len(rest))
+                lost = rest + self._forget_everything()
+                self._pins_lost = lost
+                if not isinstance(e, Exception):
+                    raise
                 return
 
     def has_unfinished_requests(self) -> bool:

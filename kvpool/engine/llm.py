@@ -85,8 +85,8 @@ class LLM:
     def unpin(self, pin: Pin | str) -> bool:
         """Release a pin (its blocks become evictable); False if it had already ended."""
         if isinstance(pin, Pin):
-            if self.engine.pins.pins.get(pin.pin_id) is not pin:
-                return False  # ended, or another engine's pin (ids are per engine)
+            # By id: ids are unique to an engine (another engine's pin is never this one's), and a pin made
+            # again after a reset is a new object under the same id.
             return self.engine.unpin(pin.pin_id)
         if not isinstance(pin, str):
             raise TypeError(f"pin: expected a Pin or a pin id, got {type(pin).__name__}")

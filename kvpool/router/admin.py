@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpool.server.errors import APIError, read_raw
-from kvpool.server.json_body import BodyError, parse_json_object
+from kvpool.server.json_body import parse_json_object
 
 if TYPE_CHECKING:
     from kvpool.router.app import Router
@@ -46,7 +46,6 @@ _FORWARD_HEADERS = ("authorization", "content-type", "accept")
 PIN_CHECK_S = 1.0  # how often the router makes sure every healthy replica holds every live pin
 _MIN_TTL_LEFT_S = 1.0  # a pin about to expire is not made again
 _PIN_LIST_TIMEOUT_S = 5.0  # a replica that does not list its pins in this long is asked at the next check
-_PIN_MAKE_TIMEOUT_S = 300.0  # making a pin again may compute its prefix on a busy replica
 
 
 def forward_headers(request: Request) -> dict[str, str]:
@@ -155,8 +154,9 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         left = None if rp.expires_at is None else rp.expires_at - time.monotonic()
         if left is not None and left < _MIN_TTL_LEFT_S:
             return
-        r = await client.post(f"{name}/v1/pins", json=dict(rp.body, ttl=left), headers=rp.headers,
-                              timeout=_PIN_MAKE_TIMEOUT_S)
+        # No timeout: a pin the replica made after the router stopped waiting would be one it never
+        # learns the id of, and could not delete. A replica that dies drops the connection instead.
+        r = await client.post(f"{name}/v1/pins", json=dict(rp.body, ttl=left), headers=rp.headers, timeout=None)
         if r.status_code != 200:
             if name not in rp.refused_by:
                 rp.refused_by.add(name)
@@ -174,10 +174,6 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
     @app.post("/v1/pins")
     async def pin(request: Request) -> Response:
         raw = await read_raw(request, max_body_bytes)
-        try:  # (kept, to pin again on a replica that comes back; the replicas check the rest)
-            body = parse_json_object(raw, request.headers.get("content-type"))
-        except BodyError as e:
-            raise APIError(400, str(e)) from None
         sent_at = time.monotonic()
         results = await each("POST", "/v1/pins", forward_headers(request), raw)
         made = {n: r.json() for n, r in results if r is not None and r.status_code == 200}  # kvpool's pin objects
@@ -195,7 +191,9 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         ttl = min(ttls) if ttls else None
         rp = RouterPin(f"rpin-{uuid.uuid4().hex[:16]}", {n: p["id"] for n, p in made.items()}, first["num_tokens"],
                        first["num_blocks"], None if ttl is None else sent_at + ttl,
-                       [n for n in router.replicas if n not in made], body, forward_headers(request))
+                       [n for n in router.replicas if n not in made],
+                       # (the body the replicas took, kept to pin again where the pin goes missing)
+                       parse_json_object(raw, request.headers.get("content-type")), forward_headers(request))
         live()[rp.pin_id] = rp
         if not keeper or keeper[0].done():
             keeper[:] = [asyncio.create_task(keep_pins())]

@@ -248,6 +248,7 @@ class BlockStore:
                     log.warning("KV store %s: %s refused (%s); blocks are not stored until it takes them again",
                                 self.store.url, what, e)
                 self._refusing = True
+                self._down = False  # (it answered)
                 return _FAILED
             self._down_until = time.monotonic() + self.retry_after_s
             if not self._down:

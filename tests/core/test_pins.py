@@ -122,3 +122,16 @@ def test_each_pin_of_a_prefix_is_its_own_and_unpin_releases_tail_first() -> None
     with pytest.raises(ValueError, match="ttl: must be a number of seconds > 0"):
         pins.pin(hashes(SYSTEM), now=0.0, ttl=0)
     assert not mgr.reset_prefix_cache() or pins.num_pinned_blocks == 0
+
+
+def test_a_pin_made_again_under_its_id_ends_by_its_own_expiry() -> None:
+    mgr = KVCacheManager(12, BS)
+    run(mgr, "sys", [*SYSTEM, 1])
+    pins = pinset(mgr, 3)
+    first = pins.pin(hashes(SYSTEM), now=0.0, ttl=5.0)
+    assert [p.pin_id for p in pins.clear()] == [first.pin_id]
+    again = pins.pin(hashes(SYSTEM), now=0.0, ttl=10.0, pin_id=first.pin_id)  # (say, after a reset)
+    assert pins.expire(6.0) == [] and pins.pins == {first.pin_id: again}  # the old entry ends nothing
+    assert pins.expire(10.0) == [first.pin_id] and pins.num_pinned_blocks == 0
+    with pytest.raises(ValueError, match="is already pinned"):
+        pins.pin(hashes(SYSTEM), now=10.0, ttl=None, pin_id=pins.pin(hashes(SYSTEM), now=10.0, ttl=None).pin_id)

@@ -145,3 +145,20 @@ def test_pins_are_computed_again_after_a_failed_step_but_not_after_ctrl_c(tiny_l
     assert calls["steps"] == 2 and again.expires_at == pin.expires_at and len(again.blocks) == 5
     out = llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0]
     assert out.num_cached_tokens == 20 and out.token_ids == want
+    assert llm.unpin(pin) is True and eng.pins.pins == {}  # the caller's Pin still names it
+
+
+def test_ctrl_c_while_pins_are_computed_again_leaves_a_clean_engine(tiny_llama_dir: Path) -> None:
+    llm = make(tiny_llama_dir, pin_budget=0.3)
+    eng = llm.engine
+    pin = llm.pin_prefix(SYSTEM)
+    calls = fail_first_step(eng, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.reset_prefix_cache()  # its one step, computing the pin again, is interrupted
+    assert calls["steps"] == 1 and not eng.has_unfinished_requests() and eng.pins.pins == {}
+    assert not eng.kv.block_pool.cached  # the half-computed blocks were forgotten
+    eng.kv.check_integrity()
+    assert llm.reset_prefix_cache() is True  # the next reset makes the pin it could not
+    assert list(eng.pins.pins) == [pin.pin_id] and calls["steps"] == 2
+    greedy = SamplingParams.greedy(4)
+    assert llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0].num_cached_tokens == 20

@@ -268,7 +268,7 @@ def test_pins_and_the_cache_reset_reach_every_replica(cluster: tuple[RouterHandl
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(f"{front.url}/v1/pins", json={"prompt": [1, 2, 3]})  # every replica refuses it alike
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    r = httpx.post(f"{front.url}/v1/pins", content=b'{"prompt": ')  # not JSON: refused before any replica
+    r = httpx.post(f"{front.url}/v1/pins", content=b'{"prompt": ')  # not JSON: each replica's 400, relayed
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: invalid JSON"), r.text
     assert httpx.post(f"{front.url}/reset_prefix_cache").json() == {"reset": True, "replicas": 2}
 
