@@ -452,15 +452,16 @@ class LLMEngine:
         for _ in range(2):  # hand out the failed step's copies and the next one's: the host tier lets go
             self.kv.end_schedule_step()
         if not self.kv.reset_prefix_cache():
-            raise RuntimeError("the engine could not be reset after a failed step; create a new one")
+            raise RuntimeError("the engine's cache could not be reset; create a new engine")
         return saved
 
     def _pin_again(self, saved: Sequence[Pin]) -> None:
         """Make `saved` pins again, with their ids and expiry, computing each prefix (a reset forgot its
         blocks). One at a time, so that each is pinned while its blocks are surely cached. With nothing
         else running (a reset waits for idle; a recovery aborted everything), these steps are the only
-        ones. A step that fails here leaves half-written blocks again: everything is forgotten once more,
-        and the pins are dropped (logged) rather than tried in a loop."""
+        ones. A step that fails here (or Ctrl-C) leaves half-written blocks again: everything is forgotten
+        once more, and the pins not made wait for the next reset or recovery (logged) rather than being
+        tried again in a loop; a pin that cannot be made for a reason of its own is dropped alone."""
         for i, pin in enumerate(saved):
             try:
                 if self._pin_cached(pin):
