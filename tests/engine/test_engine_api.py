@@ -176,3 +176,17 @@ def test_a_step_that_fails_leaves_an_engine_that_serves(llm: LLM, failure: BaseE
     assert not eng.has_unfinished_requests() and eng.kv.usage == 0
     assert eng.kv.block_pool.num_cached_blocks() == 0
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(8), use_tqdm=False)] == want
+
+
+def test_a_reset_between_generate_calls_is_not_refused_by_owed_host_copies(tiny_llama_dir: Path) -> None:
+    # With write-through, the last step leaves copies owed to the host tier; the manager alone refuses a
+    # reset then. The engine's reset drops them with the blocks they were for.
+    llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=40, block_size=4,
+              num_host_blocks=40, write_through=True)
+    prompt = list(range(10, 40))
+    llm.generate([prompt], SamplingParams.greedy(3), use_tqdm=False)
+    assert llm.engine.kv.host.busy
+    assert llm.reset_prefix_cache() is True
+    llm.engine.kv.check_integrity()
+    out = llm.generate([prompt], SamplingParams.greedy(3), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # forgotten in both tiers
