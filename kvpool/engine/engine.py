@@ -44,6 +44,16 @@ from kvpool.runner.multimodal import MMInput
 log = logging.getLogger(__name__)
 
 
+def _message_list(messages: Any) -> list[Any]:
+    """A conversation as a list of messages (one message dict is a conversation of one); ValueError
+    naming `messages` for anything else, or an empty one."""
+    if isinstance(messages, dict):
+        return [messages]
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
+    return list(messages)
+
+
 def _eos_ids(model_dir: Any) -> list[int]:
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
@@ -296,12 +306,8 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
-        if isinstance(messages, dict):
-            messages = [messages]
-        if not isinstance(messages, list | tuple) or not messages:
-            raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
         flat = []
-        for i, m in enumerate(messages):
+        for i, m in enumerate(_message_list(messages)):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise ValueError(f"messages.{i}: each message needs a string 'role' and a 'content'")
             content = m["content"]
@@ -333,10 +339,7 @@ class LLMEngine:
         with: what to pin for them. Templates differ in where a system prompt goes (a turn of its own, or
         inside the first user turn), so this renders `messages` followed by two different next turns (a
         user's; an answer after a user's message) and keeps what the two renderings have in common."""
-        if isinstance(messages, dict):
-            messages = [messages]
-        if not isinstance(messages, list | tuple) or not messages:
-            raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages = _message_list(messages)
         # The turn that follows: a user's, or after a user's message the answer (templates that check the
         # roles alternate refuse two user turns in a row).
         last = messages[-1].get("role") if isinstance(messages[-1], dict) else None
