@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,17 +126,34 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
     return path
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generate, fp32, one prompt at a time (no padding to blur it)."""
+def rounding_cache(config: Any, kv_dtype: torch.dtype) -> Any:
+    """A transformers KV cache that rounds every key and value to `kv_dtype` as it stores them (in their
+    own dtype): the reference of kvpool's `kv_cache_dtype`."""
+    from transformers import DynamicCache
+
+    class RoundingCache(DynamicCache):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            return super().update(key_states.to(kv_dtype).to(key_states.dtype),
+                                  value_states.to(kv_dtype).to(value_states.dtype), layer_idx, *args, **kwargs)
+
+    return RoundingCache(config=config)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              kv_dtype: torch.dtype | None = None) -> list[list[int]]:
+    """transformers' own greedy generate, fp32, one prompt at a time (no padding to blur it). `kv_dtype`:
+    its KV cache rounds keys and values to that dtype (`rounding_cache`)."""
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     out = []
     with torch.inference_mode():
         for p in prompts:
+            extra = {} if kv_dtype is None else {"cache": rounding_cache(ref.config, kv_dtype)}
             ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
                                min_new_tokens=max_new_tokens if ref.generation_config.eos_token_id is None
-                               else 0)
+                               else 0, **extra)
             out.append(ids[0][len(p):].tolist())
     return out
 

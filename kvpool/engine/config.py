@@ -53,6 +53,11 @@ class CacheConfig:
 
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_memory: int | str = option("1GiB", "KV cache size: bytes, or e.g. 2GiB, 512MiB")
+    # The dtype the KV cache (device, host and store tiers) holds keys and values in; auto: the model's.
+    kv_cache_dtype: str = option("auto", "KV cache dtype; auto: the model's (--dtype). bfloat16 or float16 "
+                                 "under a float32 model hold twice the blocks in the same memory, and outputs "
+                                 "then follow the rounded keys and values",
+                                 choices=("auto", "bfloat16", "float16", "float32"))
     num_blocks: int | None = None  # overrides kv_cache_memory (tests)
     enable_prefix_caching: bool = option(True, "disable automatic prefix caching", flag="--no-prefix-caching")
     hash_algo: str = option("sha256", "block hash function", choices=("sha256", "xxh3_128"))
@@ -98,7 +103,7 @@ class RunnerConfig:
     """The model and how it runs: weights, dtype, device, kernels, per-token outputs, images."""
 
     model: str | None = option(None, "local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    dtype: str = option("auto", "weights and KV cache dtype; auto: bfloat16 where the hardware multiplies it "
+    dtype: str = option("auto", "weights' (and KV cache's) dtype; auto: bfloat16 where the hardware multiplies it "
                         "natively (AVX-512 BF16, AMX, Arm BF16, CUDA), float32 elsewhere",
                         choices=("auto", "bfloat16", "float32", "float16"))
     device: str | None = option(None, "cpu or cuda (default: cuda when present)")

@@ -98,7 +98,8 @@ class LLMEngine:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.runner = ModelRunner(self.model_dir, dtype=config.dtype, block_size=config.block_size,
+        self.runner = ModelRunner(self.model_dir, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
+                                  block_size=config.block_size,
                                   kv_cache_memory=config.kv_cache_bytes(), device=config.device,
                                   num_blocks=config.num_blocks, hybrid=config.hybrid_allocator,
                                   stage_outputs=config.stage_outputs, stage_output_layers=config.stage_output_layers,

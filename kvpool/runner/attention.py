@@ -260,8 +260,10 @@ def plan_masks(meta: AttentionMetadata, dtype: torch.dtype, group: int, block_si
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the step's K/V (T, kv_heads, head_dim) at their slots."""
+    """Store the step's K/V (T, kv_heads, head_dim) at their slots (rounded to the caches' dtype)."""
     h, nb, bs, d = k_cache.shape
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     if not k_cache.is_contiguous():
         # Block-major pages (a pool shared with state layers, see kvpool.runner.state_cache).
         blk, off = slot_mapping // bs, slot_mapping % bs
@@ -272,11 +274,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """(kv_heads, n * block_size, head_dim): the keys (or values) of the given blocks, in order."""
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(kv_heads, n * block_size, head_dim): the keys (or values) of the given blocks, in order (as `dtype`,
+    the queries', where the cache holds another: see `kv_cache_dtype`)."""
     h, nb, bs, d = cache.shape
     # index_select copies whole blocks; advanced indexing is several times slower on the CPU.
-    return cache.view(h, nb, bs * d).index_select(1, block_ids.reshape(-1)).view(h, -1, d)
+    out = cache.view(h, nb, bs * d).index_select(1, block_ids.reshape(-1)).view(h, -1, d)
+    return out if dtype is None or dtype == out.dtype else out.to(dtype)
+
+
+def as_cached(k: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """A step's own keys (or values) as attention reads them back from `cache`: rounded to its dtype, in
+    theirs. A chunk attending to its own keys must see what a later chunk, or a prefix hit, will read."""
+    return k if k.dtype == cache.dtype else k.to(cache.dtype).to(k.dtype)
 
 
 def _fold(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -387,6 +397,7 @@ def torch_chunk_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      acc: torch.Tensor | None, lse: torch.Tensor | None) -> None:
     """The step's multi-token chunks, one sequence at a time, in torch (cascade members' suffixes into
     acc/lse, merged with their prefix by `merge_cascades`)."""
+    k, v = as_cached(k, k_cache), as_cached(v, v_cache)
     for s in meta.seqs:
         ql = s.num_queries
         if ql == 1:
@@ -402,8 +413,8 @@ def torch_chunk_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
             continue
         first = s.first_block
         n_keys = s.context_len - first * k_cache.shape[2]
-        kk = gather_blocks(k_cache, s.blocks()[first:])[:, :n_keys]
-        vv = gather_blocks(v_cache, s.blocks()[first:])[:, :n_keys]
+        kk = gather_blocks(k_cache, s.blocks()[first:], q.dtype)[:, :n_keys]
+        vv = gather_blocks(v_cache, s.blocks()[first:], q.dtype)[:, :n_keys]
         assert s.bias is not None, "plan_masks must run once per step before the forward"
         if acc is not None and lse is not None and s.prefix_len:
             o, l_ = _flash_lse(qs, kk, vv, scale, s.bias)
@@ -432,11 +443,11 @@ def merge_cascades(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if g.first_block is not None:
             h, _, bs, d = k_cache.shape
             end = g.first_block + g.prefix_len // bs
-            kp = k_cache[:, g.first_block:end].reshape(h, -1, d)  # a view: blocks are adjacent
-            vp = v_cache[:, g.first_block:end].reshape(h, -1, d)
+            kp = k_cache[:, g.first_block:end].reshape(h, -1, d).to(q.dtype)  # a view: blocks are adjacent
+            vp = v_cache[:, g.first_block:end].reshape(h, -1, d).to(q.dtype)
         else:
-            kp = gather_blocks(k_cache, g.prefix_block_ids)
-            vp = gather_blocks(v_cache, g.prefix_block_ids)
+            kp = gather_blocks(k_cache, g.prefix_block_ids, q.dtype)
+            vp = gather_blocks(v_cache, g.prefix_block_ids, q.dtype)
         o_p, l_p = _flash_lse(q[g.rows], kp, vp, scale)
         merged, _ = _merge(acc[g.rows], lse[g.rows], o_p, l_p)
         out[g.rows] = merged.to(q.dtype)

@@ -43,12 +43,12 @@ def auto_dtype(device: torch.device) -> str:
     return "bfloat16" if _cpu_bf16() else "float32"
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The torch dtype of a dtype name (`auto`: see `auto_dtype`); a ValueError names the field."""
+def resolve_dtype(name: str, device: torch.device, field: str = "dtype") -> torch.dtype:
+    """The torch dtype of a dtype name (`auto`: see `auto_dtype`); a ValueError names the `field`."""
     if name == "auto":
         name = auto_dtype(device)
     if name not in DTYPES:
-        raise ValueError(f"dtype: {name!r} is not one of {['auto', *sorted(DTYPES)]}")
+        raise ValueError(f"{field}: {name!r} is not one of {['auto', *sorted(DTYPES)]}")
     return DTYPES[name]
 
 

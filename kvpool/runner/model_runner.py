@@ -128,7 +128,7 @@ def _device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, *, dtype: str = "auto", block_size: int = 16,
+    def __init__(self, model_dir: Path, *, dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
                  enable_cascade: bool | None = None, hybrid: bool = True, stage_outputs: bool = False,
                  stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
@@ -142,6 +142,11 @@ class ModelRunner:
         # run took twice as long as the uncached one (docs/benchmarks.md, session 16).
         self.enable_cascade = self.device.type == "cpu" if enable_cascade is None else enable_cascade
         self.dtype = resolve_dtype(dtype, self.device)
+        # Keys and values are stored (every tier, the store too) in `kv_dtype`, and attention reads them back
+        # as the model's dtype. A step's own keys are rounded the same way before they are attended to, so
+        # a token's result does not depend on whether its context was computed in this step or cached.
+        self.kv_dtype = (self.dtype if kv_cache_dtype == "auto"
+                         else resolve_dtype(kv_cache_dtype, self.device, "kv_cache_dtype"))
         if batch_invariant and self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"batch_invariant: needs dtype float32 or bfloat16, got {dtype!r}")
         t0 = time.perf_counter()
@@ -158,6 +163,10 @@ class ModelRunner:
             if getattr(self.model.arch, "layer_state_shapes", None) is not None:
                 raise ValueError("batch_invariant: models with state layers are not supported in this mode")
             make_batch_invariant(self.model, self.dtype)
+        if self.kv_dtype != self.dtype and getattr(self.model.arch, "layer_state_shapes", None) is not None:
+            # Their attention pages share byte buffers with the state layers' pages (kvpool.runner.state_cache).
+            raise ValueError(f"kv_cache_dtype: models with state layers keep their KV cache in the model's dtype "
+                             f"({str(self.dtype).removeprefix('torch.')}); got {kv_cache_dtype!r}")
             if self.device.type != "cpu":
                 # The padding answers the CPU BLAS's choice of kernel by row count; a GPU's BLAS chooses
                 # by other rules, so outputs may differ in their last bits (tokens rarely).
@@ -166,10 +175,12 @@ class ModelRunner:
         arch = self.model.arch
         self.arch = arch
         # The compiled decode kernel covers these shapes (see decode_attention.cpp); the torch path the rest.
-        self.decode_kernel = (native_kernels and not batch_invariant and self.device.type == "cpu"
-                              and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
-                              and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
-                              and kernels.paged_decode_attention() is not None)
+        kernels_here = (native_kernels and not batch_invariant and self.device.type == "cpu"
+                        and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
+                        and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
+                        and kernels.paged_decode_attention() is not None)
+        # The attention kernels read a cache of the queries' dtype only: another KV dtype goes through torch.
+        self.decode_kernel = kernels_here and self.kv_dtype == self.dtype
         self.prefill_kernel = self.decode_kernel and kernels.prefill_supported(arch.head_dim, block_size, self.dtype)
         # Keys (bf16: and values) stored as the kernels read them, where those kernels read every layer's
         # cache (full attention: windowed decode rows and cross-attention read the standard layout; state
@@ -183,14 +194,14 @@ class ModelRunner:
                                            prefill_kernel=self.prefill_kernel, cascade=self.enable_cascade,
                                            packed=self.packed_kv)
         # Fused norm, rotary and SiLU-and-multiply (bf16 and fp32): modules with a `fused` slot use them when set.
-        self.fused_ops = self.decode_kernel
+        self.fused_ops = kernels_here
         self._argmax_rows = kernels.fused_ops().argmax_rows if self.fused_ops else None
         if self.fused_ops:
             for m in self.model.modules():
                 if hasattr(m, "fused"):
                     m.fused = kernels.fused_ops()
         self.block_size = block_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         state_shapes = getattr(arch, "layer_state_shapes", None)  # models with recurrent-state layers
         if state_shapes is None:
             self.layout = LayerLayout.from_windows(arch.layer_windows, block_size, arch.num_kv_heads, arch.head_dim,
@@ -232,8 +243,8 @@ class ModelRunner:
                 self.kv_tensors = []
                 self.kv_caches = self.paged.caches  # type: ignore[assignment]
             else:
-                self.kv_tensors = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                    torch.zeros(shape, dtype=self.dtype, device=self.device))
+                self.kv_tensors = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                    torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                                    for _ in range(self.layout.layers_per_group)]
                 self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
         except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors are RuntimeErrors
@@ -263,9 +274,9 @@ class ModelRunner:
             raise ValueError("stage_output_cache: needs a model whose layers are all full attention")
         self.last_outputs: dict[str, dict[str, torch.Tensor]] = {}
         self.lora: LoRAManager | None = None  # set by enable_lora
-        log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB)",
+        log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
-                 num_blocks * self.bytes_per_block / 2**20)
+                 num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
         on = [name for name, used in (("decode attention", self.decode_kernel), ("prefill attention",
               self.prefill_kernel), ("fused norm/rotary/SiLU", self.fused_ops)) if used]
         log.info("kvpool CPU kernels: %s", ", ".join(on) if on else "none (torch ops)")
@@ -410,8 +421,8 @@ class ModelRunner:
                                for c, pe in zip(counts, self._page_elems, strict=True)]
         else:
             shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
-            self.host_kv_caches = [(torch.zeros(shape, dtype=self.dtype, pin_memory=pin),
-                                    torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
+            self.host_kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin),
+                                    torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin))
                                    for _ in self.kv_tensors]
         log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
         if self.stage_cache is not None:

@@ -15,7 +15,8 @@ from kvpool.server.options import ServerConfig
 ENGINE_FLAGS = {"--model", "--dtype", "--device", "--kv-cache-memory", "--block-size", "--no-prefix-caching",
                 "--hash-algo", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len", "--swap-space",
                 "--eviction-policy", "--host-eviction", "--write-through", "--state-retention-tokens", "--kv-store",
-                "--kv-store-deadline", "--no-hybrid-allocator", "--no-native-kernels", "--pin-budget"}
+                "--kv-store-deadline", "--no-hybrid-allocator", "--no-native-kernels", "--pin-budget",
+                "--kv-cache-dtype"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--served-model-name", "--max-pending", "--max-body-bytes",
                 "--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-topic", "--pin-prefix"}
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import rounding_cache
 
 from kvpool.core.request import MultiModalItem
 from kvpool.engine.llm import LLM
@@ -80,15 +81,18 @@ IMAGES = [[c[2]] if c[2] is not None else [] for c in CASES]
 
 
 def hf_reference(model_dir: Path, prompts: list[list[int]], images: list[list[TiledImageInput]],
-                 n_out: int = N_OUT) -> list[list[int]]:
-    """transformers' greedy generate, fp32, one prompt at a time, with the processor's cross-attention mask."""
+                 n_out: int = N_OUT, kv_dtype: torch.dtype | None = None) -> list[list[int]]:
+    """transformers' greedy generate, fp32, one prompt at a time, with the processor's cross-attention mask
+    (`kv_dtype`: its cache rounding keys and values, as `tests/helpers.py::rounding_cache`)."""
     from transformers import MllamaForConditionalGeneration
 
     ref = MllamaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     out = []
     with torch.inference_mode():
         for prompt, img in zip(prompts, images, strict=True):
-            kw = hf_inputs(prompt, img[0]) if img else {}
+            kw: dict[str, Any] = hf_inputs(prompt, img[0]) if img else {}
+            if kv_dtype is not None:
+                kw["cache"] = rounding_cache(ref.config, kv_dtype)
             ids = ref.generate(torch.tensor([prompt]), max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
                                **kw)
             out.append(ids[0][len(prompt):].tolist())
@@ -276,6 +280,22 @@ def test_bfloat16_packed_runs(mllama_dir: Path, reference: list[list[int]]) -> N
     outs = llm.generate([A, A], SamplingParams.greedy(N_OUT), use_tqdm=False, mm_inputs=[[IMG1], []])
     assert [len(o.outputs[0].token_ids) for o in outs] == [N_OUT, N_OUT]
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_a_bf16_kv_cache_equals_transformers_rounding_its_cache(mllama_dir: Path, reference: list[list[int]]
+                                                                ) -> None:
+    """Self- and cross-attention keys and values stored in bf16 under the fp32 model (`kv_cache_dtype`)."""
+    want = hf_reference(mllama_dir, PROMPTS, IMAGES, kv_dtype=torch.bfloat16)
+    assert want != reference  # the rounding changes tokens here: the comparison below can fail
+    llm = LLM(str(mllama_dir), dtype="float32", kv_cache_dtype="bfloat16", skip_tokenizer_init=True, block_size=BS,
+              num_blocks=300, max_num_batched_tokens=16)
+    params = SamplingParams.greedy(N_OUT)
+    alone = [llm.generate([p], params, use_tqdm=False, mm_inputs=[m])[0] for p, m in zip(PROMPTS, IMAGES, strict=True)]
+    together = llm.generate(PROMPTS, params, use_tqdm=False, mm_inputs=IMAGES)
+    assert [o.outputs[0].token_ids for o in alone] == want
+    assert [o.outputs[0].token_ids for o in together] == want
+    assert [o.num_cached_tokens for o in alone] == [0, 0, 28, 0, 0, 0, 0, 28]
+    llm.engine.kv.check_integrity()
 
 
 def test_long_shared_prefix_with_an_image_cascades(mllama_dir: Path) -> None:

@@ -220,8 +220,8 @@ class MllamaCrossLayer(nn.Module):
             assert tables is not None
             b, n_enc = tables.shape[0], meta.seqs[next(iter(meta.decode_seqs))].num_tokens
             # (kv_heads, b * L, d) -> (b, kv_heads, n_enc, d): each decode's own encoder tokens.
-            kk = gather_blocks(kv[0], tables).view(a.num_kv_heads, b, -1, a.head_dim)[:, :, :n_enc].transpose(0, 1)
-            vv = gather_blocks(kv[1], tables).view(a.num_kv_heads, b, -1, a.head_dim)[:, :, :n_enc].transpose(0, 1)
+            kk, vv = (gather_blocks(c, tables, q.dtype).view(a.num_kv_heads, b, -1, a.head_dim)[:, :, :n_enc]
+                      .transpose(0, 1) for c in kv)
             bias = meta.decode_bias[:, None, None, :] if meta.decode_bias is not None else None
             out = F.scaled_dot_product_attention(q[meta.decode_rows][:, :, None], kk, vv, attn_mask=bias,
                                                  scale=self.scale, enable_gqa=True)
@@ -229,8 +229,8 @@ class MllamaCrossLayer(nn.Module):
         for i, s in enumerate(meta.seqs):
             if i in meta.decode_seqs:
                 continue
-            kk = gather_blocks(kv[0], s.block_ids)[:, :s.num_tokens]
-            vv = gather_blocks(kv[1], s.block_ids)[:, :s.num_tokens]
+            kk = gather_blocks(kv[0], s.block_ids, q.dtype)[:, :s.num_tokens]
+            vv = gather_blocks(kv[1], s.block_ids, q.dtype)[:, :s.num_tokens]
             out = F.scaled_dot_product_attention(q[s.lo:s.hi].transpose(0, 1)[None], kk[None], vv[None],
                                                  attn_mask=s.bias, scale=self.scale, enable_gqa=True)
             o[s.lo:s.hi] = out[0].transpose(0, 1)
