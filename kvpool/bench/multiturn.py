@@ -10,7 +10,10 @@ Answers appended to the history are the trace's, not the
 model's, so every configuration sees identical prompts; the model still generates as many tokens.
 Systems: no prefix caching; device-only caching; device + host tier (lazy swap-out); device + host
 (write-through); device-only with a pool large enough for everything (the ceiling). A system named
-`NAME@POLICY` (e.g. `device@reuse`) runs with that device eviction policy, so policies compare in one run.
+`NAME@POLICY` (e.g. `device@reuse`) runs with that device eviction policy, so policies compare in one run;
+`NAME:KV_DTYPE` (e.g. `device:bfloat16`, `no-cache:bfloat16`) keeps its KV cache in that dtype, in the same
+memory as NAME (a bf16 cache under an fp32 model: twice the blocks), and its outputs are compared with
+`no-cache` of the same KV dtype.
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
 
     system, convs = conversations(a)
     kw = dict(engine_kw)
+    name, _, kv_dtype = name.partition(":")
+    if kv_dtype:
+        kw["kv_cache_dtype"] = kv_dtype
     name, _, policy = name.partition("@")
     if policy:
         kw["eviction_policy"] = policy
@@ -99,10 +105,16 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
         kw["write_through"] = name.endswith("write-through")
     llm = LLM(**kw)
     eng = llm.engine
-    if roomy and eng.kv.num_groups > 1:
-        # The working set counts one block per 16 tokens, but on the hybrid allocator every group takes
-        # its own block ids from the one pool: the ceiling needs room for each group to keep everything.
-        kw["num_blocks"] *= eng.kv.num_groups
+    # The working set counts one block per 16 tokens, but on the hybrid allocator every group takes its own
+    # block ids from the one pool: the ceiling needs room for each group to keep everything. And a KV dtype
+    # narrower than the model's holds proportionally more blocks (and host blocks) in the same memory.
+    scale = eng.kv.num_groups if roomy else 1
+    if kv_dtype and not roomy:
+        scale = eng.runner.dtype.itemsize // eng.runner.kv_dtype.itemsize or 1
+    if scale > 1:
+        kw["num_blocks"] *= scale
+        if "num_host_blocks" in kw:
+            kw["num_host_blocks"] *= scale
         del llm, eng
         llm = LLM(**kw)
         eng = llm.engine
@@ -165,12 +177,13 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     systems: dict[str, dict] = {}
     outs: dict[str, list[list[int]]] = {}
     for n in names:
-        if n.partition("@")[0] not in ("no-cache", "device", "device+host", "device+host-write-through",
-                                       "unlimited"):
+        if n.partition(":")[0].partition("@")[0] not in ("no-cache", "device", "device+host",
+                                                         "device+host-write-through", "unlimited"):
             raise ValueError(f"systems: unknown system {n!r}")
         systems[n], outs[n] = run_system(n, a, engine_kw)
-    base = outs.get("no-cache")
     for n in names:
+        kv_dtype = n.partition(":")[2]
+        base = outs.get(f"no-cache:{kv_dtype}" if kv_dtype else "no-cache")
         same = [x == y for x, y in zip(outs[n], base, strict=True)] if base is not None else []
         systems[n]["outputs_identical"] = all(same) if base is not None else None
         systems[n]["outputs_identical_fraction"] = sum(same) / len(same) if same else None
