@@ -179,8 +179,12 @@ class ModelRunner:
                         and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
                         and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
                         and kernels.paged_decode_attention() is not None)
-        # The attention kernels read a cache of the queries' dtype only: another KV dtype goes through torch.
-        self.decode_kernel = kernels_here and self.kv_dtype == self.dtype
+        # The attention kernels read a cache of the queries' dtype, and the fp32 ones (AVX2) a bf16 cache too;
+        # any other KV dtype goes through torch.
+        self.decode_kernel = kernels_here and (
+            self.kv_dtype == self.dtype
+            or ((self.dtype, self.kv_dtype) == (torch.float32, torch.bfloat16)
+                and kernels.prefill_supported(arch.head_dim, block_size, torch.float32)))
         self.prefill_kernel = self.decode_kernel and kernels.prefill_supported(arch.head_dim, block_size, self.dtype)
         # Keys (bf16: and values) stored as the kernels read them, where those kernels read every layer's
         # cache (full attention: windowed decode rows and cross-attention read the standard layout; state
@@ -296,7 +300,7 @@ class ModelRunner:
         garbage to another, so the store's fingerprint carries it."""
         if not self.packed_kv:
             return "standard"
-        return "packed16" if self.dtype == torch.bfloat16 else "packed8"
+        return "packed16" if self.dtype == torch.bfloat16 else "packed8"  # (fp32 queries: 8-key tiles, any KV dtype)
 
     @property
     def max_model_len(self) -> int:

@@ -2,8 +2,8 @@
 same memory. Greedy tokens equal transformers' with its cache rounding every key and value to the same
 dtype (and differ from plain fp32's on these prompts, so the comparison can fail), with prefix caching on
 and off, chunked prefill, hits served by the host tier, preemption, a sliding-window model and the store
-tier; blocks stored under another KV dtype are never read; models whose KV pages share bytes with state
-layers refuse it by name."""
+tier, on the torch path and on kvpool's fp32 CPU kernels (which read bf16 pages); blocks stored under
+another KV dtype are never read; models whose KV pages share bytes with state layers refuse it by name."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_VOCAB, hf_greedy, make_tiny_hybrid_gemma3, make_tiny_hybrid_lfm2
+from helpers import TINY_VOCAB, hf_greedy, make_tiny_hybrid_gemma3, make_tiny_hybrid_lfm2, make_tiny_llama
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner import kernels
 
 BS = 4
 N_OUT = 24
@@ -65,12 +66,33 @@ SETTINGS: dict[str, dict[str, object]] = {
 }
 
 
+@pytest.fixture(scope="module")
+def kernel_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A tiny Llama of head_dim 64 (what kvpool's fp32 attention kernels take, on AVX2) and its bf16-cache
+    reference."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-64"), seed=2, hidden_size=128, num_attention_heads=2,
+                           num_key_value_heads=1)
+    return path, hf_greedy(path, PROMPTS, N_OUT, kv_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_tokens_do_not_depend_on_caching_chunking_tiers_or_preemption(tiny_llama_dir: Path, setting: str,
-                                                                      refs: dict[str, list[list[int]]]) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype="bfloat16", skip_tokenizer_init=True,
-              block_size=BS, **SETTINGS[setting])  # type: ignore[arg-type]
-    assert generate(llm) == refs["bfloat16"]
+def test_tokens_do_not_depend_on_caching_chunking_tiers_or_preemption(
+        tiny_llama_dir: Path, setting: str, refs: dict[str, list[list[int]]], path: str,
+        request: pytest.FixtureRequest) -> None:
+    if path == "torch":
+        model, want, bs = tiny_llama_dir, refs["bfloat16"], BS
+    else:
+        if not kernels.prefill_supported(64, 8, torch.float32):
+            pytest.skip("this CPU lacks what kvpool's fp32 attention kernels need (AVX2 and FMA)")
+        (model, want), bs = request.getfixturevalue("kernel_llama"), 8
+    kw = dict(SETTINGS[setting])
+    kw["num_blocks"] = kw["num_blocks"] * BS // bs  # the same tokens' worth of blocks
+    llm = LLM(str(model), dtype="float32", kv_cache_dtype="bfloat16", skip_tokenizer_init=True, block_size=bs,
+              **kw)  # type: ignore[arg-type]
+    runner = llm.engine.runner
+    assert (runner.decode_kernel, runner.prefill_kernel) == ((path == "kernels"),) * 2
+    assert generate(llm) == want
     kv = llm.engine.kv
     if setting == "host tier":
         assert kv.stats.host_hits > 0 and llm.engine.runner.host_kv_caches[0][0].dtype == torch.bfloat16
@@ -135,3 +157,16 @@ def test_the_store_keeps_kv_dtypes_apart(tiny_llama_dir: Path, tmp_path: Path,
     assert [o.token_ids for o in outs] == refs["bfloat16"]
     assert bf16.engine.store.tier.blocks_landed > 0
     assert outs[4].num_cached_tokens == (50 - 1) // BS * BS  # the unrelated 50-token prompt, from the store
+
+
+def test_smollm2_with_a_bf16_cache_equals_transformers_rounding_its_cache(smol_dir: Path) -> None:
+    """The real model, on the packed fp32 kernels where this CPU runs them, half its KV cache's bytes."""
+    llm = LLM(str(smol_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="64MiB")
+    prompts = [llm.tokenizer.encode("def fibonacci(n):"),
+               llm.engine.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])]
+    want = hf_greedy(smol_dir, prompts, 16, kv_dtype=torch.bfloat16)
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(16), use_tqdm=False)] == want
+    runner = llm.engine.runner
+    assert runner.kv_tensors[0][0].dtype == torch.bfloat16
+    if kernels.prefill_supported(64, 16, torch.float32):
+        assert runner.decode_kernel and runner.prefill_kernel and runner.kv_layout == "packed8"

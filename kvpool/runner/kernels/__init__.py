@@ -116,13 +116,17 @@ def prefill_supported(head_dim: int, block_size: int, dtype: torch.dtype = torch
     return _library() and bool(torch.ops.kvpool.prefill_supported(head_dim, block_size, dtype == torch.float32))
 
 
-def packed_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of standard (kv_heads, blocks, block_size, head_dim) caches in the layout `write_kv_packed`
-    writes and the kernels read with `packed=True` (the reference for that layout, in torch ops). bf16: per
-    16 tokens, keys as [head_dim / 2][16] pairs of elements, values as [8][head_dim] pairs of tokens. fp32:
-    per 8 tokens, keys as [head_dim][8]; values unchanged."""
+    writes and the kernels read with `packed=True` (the reference for that layout, in torch ops). "packed16"
+    (bf16 models): per 16 tokens, keys as [head_dim / 2][16] pairs of elements, values as [8][head_dim] pairs
+    of tokens. "packed8" (fp32 models, whose caches are fp32 or bf16): per 8 tokens, keys as [head_dim][8];
+    values unchanged. `layout` None: the one of the caches' dtype (bf16: packed16)."""
     h, nb, bs, d = k_cache.shape
-    if k_cache.dtype == torch.float32:
+    if layout is None:
+        layout = "packed8" if k_cache.dtype == torch.float32 else "packed16"
+    if layout == "packed8":
         k = k_cache.reshape(h, nb, bs // 8, 8, d).permute(0, 1, 2, 4, 3)
         return k.contiguous().view(h, nb, bs, d), v_cache.clone()
     k = k_cache.reshape(h, nb, bs // 16, 16, d // 2, 2).permute(0, 1, 2, 4, 3, 5)

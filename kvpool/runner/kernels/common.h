@@ -30,18 +30,25 @@ void decode_group_f32(const float* q, float* out, const float* k_cache, const fl
                       int64_t count, int64_t shared, int64_t group, float scale);
 
 // Prompt attention in fp32 (prefill_f32.cpp), run by paged_prefill_attention (prefill_attention.cpp) after
-// its checks. q and out: (rows, heads, dim); k and v: one layer's (kv_heads, blocks, block_size, dim) pages.
+// its checks. q and out: (rows, heads, dim); k and v: one layer's (kv_heads, blocks, block_size, dim) pages,
+// of fp32 or (a bf16 KV cache under an fp32 model) bf16 elements, widened to fp32 as they are loaded.
 struct PagedF32 {
   const float* q;
   float* out;
-  const float* k;
-  const float* v;
+  const void* k;
+  const void* v;
   int64_t heads, group, dim, s_head, s_block, s_token, block_size;
   float scale;
-  bool packed;  // keys stored as [dim][8] per 8 tokens (write_kv_packed), values in rows
+  bool packed;    // keys stored as [dim][8] per 8 tokens (write_kv_packed), values in rows
+  bool kv_bf16;   // the pages hold bf16 elements (else fp32)
 
   // Offset of query head g of kv head h in row `row` of q and out.
   int64_t at(int64_t row, int64_t h, int64_t g) const { return (row * heads + h * group + g) * dim; }
+  // kv head h's keys and values, as elements of type C (the pages' own: float or c10::BFloat16).
+  template <typename C>
+  const C* keys(int64_t h) const { return static_cast<const C*>(k) + h * s_head; }
+  template <typename C>
+  const C* values(int64_t h) const { return static_cast<const C*>(v) + h * s_head; }
 };
 constexpr int64_t kPrefillF32Rows = 96;  // rows (query position x query head of the group) of one task
 bool prefill_f32_supported(int64_t dim, int64_t block_size);

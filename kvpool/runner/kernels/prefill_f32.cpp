@@ -17,6 +17,10 @@
 // FMA chain over head_dim from zero; its softmax and value sums go pass by pass at fixed positions, and a
 // key a row does not see changes nothing (weight exactly 0, never a rescale). That is what keeps fp32
 // tokens identical with prefix caching on or off and at any chunk size, as the bf16 kernel's are.
+//
+// The pages may hold bf16 keys and values instead (`kv_cache_dtype` bfloat16 under an fp32 model): every
+// load then widens 8 of them to fp32 exactly (a bf16 is the top half of an fp32), and the arithmetic is the
+// same; the queries, sums and outputs stay fp32. Half the bytes per key is what a decode step streams.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -75,6 +79,13 @@ inline void transpose8(__m256* r) {
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
+// 8 consecutive elements of a page, as fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 constexpr int64_t kPass = kTile * kPassTiles;  // keys per pass, at positions that are multiples of kPass
 constexpr int64_t kAhead = 2;                    // passes whose keys are asked for before they are read
 
@@ -84,15 +95,16 @@ struct KeySpan {
   int64_t lo, hi;
 
   // Asks for kv head h's keys and values of passes [j, j + count) of the span to be brought into cache,
-  // every 64-byte line of them.
+  // every 64-byte line of them (pages of C elements).
+  template <typename C>
   void ask(const PagedF32& pg, int64_t h, int64_t j, int64_t count) const {
-    const float* k = pg.k + h * pg.s_head;
-    const float* v = pg.v + h * pg.s_head;
+    const C* k = pg.keys<C>(h);
+    const C* v = pg.values<C>(h);
     const int64_t first = lo - lo % kPass;
     for (int64_t t0 = first + j * kPass; count > 0 && t0 < hi; t0 += kPass, --count) {
       for (int64_t t = std::max(t0, lo); t < std::min(t0 + kPass, hi); ++t) {
         const int64_t at = table[t / pg.block_size] * pg.s_block + (t % pg.block_size) * pg.s_token;
-        for (int64_t d = 0; d < pg.dim; d += 16) {
+        for (int64_t d = 0; d < pg.dim; d += 64 / static_cast<int64_t>(sizeof(C))) {
           __builtin_prefetch(k + at + d);
           __builtin_prefetch(v + at + d);
         }
@@ -101,28 +113,30 @@ struct KeySpan {
   }
 };
 
-template <int64_t DIM>
+template <int64_t DIM, typename C>
 struct Rows {
   static constexpr int64_t kChunks = DIM / 8;
   alignas(32) float q[kMaxRows][DIM];    // the rows' queries, times the softmax scale
   alignas(32) float acc[kMaxRows][DIM];  // their weighted value sums
   alignas(32) float kt[kPassTiles][DIM][kTile];  // the pass's keys, transposed here (standard caches)
-  const float (*keys_t[kPassTiles])[kTile] = {};  // the pass's transposed keys: kt, or in place (packed)
+  const float (*keys_t[kPassTiles])[kTile] = {};  // the pass's transposed keys: kt ...
+  const C (*keys_p[kPassTiles])[kTile] = {};      // ... or in place (packed caches)
   alignas(32) float sc[kMaxRows][kPassTiles * kTile];  // the pass's scores, then weights
   float m[kMaxRows], l[kMaxRows];        // running maximum and weight sum per row
   int64_t pos[kMaxRows], low[kMaxRows];  // the keys a row sees: [low, pos]
   int64_t n = 0;
 
-  // sc[r + i][8u + t] for rows [r, r + N) and the pass's NT tiles: each sum one FMA chain over head_dim.
-  template <int64_t N, int64_t NT>
-  inline void scores(int64_t r) {
+  // sc[r + i][8u + t] for rows [r, r + N) and the pass's NT tiles (transposed keys of K elements: kt's
+  // fp32, or a packed page's own): each sum one FMA chain over head_dim.
+  template <int64_t N, int64_t NT, typename K>
+  inline void scores(int64_t r, const K (*const* tiles)[kTile]) {
     __m256 a[N][NT];
     for (int64_t i = 0; i < N; ++i) {
       for (int64_t u = 0; u < NT; ++u) a[i][u] = _mm256_setzero_ps();
     }
     for (int64_t d = 0; d < DIM; ++d) {
       __m256 k[NT];
-      for (int64_t u = 0; u < NT; ++u) k[u] = _mm256_loadu_ps(keys_t[u][d]);
+      for (int64_t u = 0; u < NT; ++u) k[u] = load8(tiles[u][d]);
       for (int64_t i = 0; i < N; ++i) {
         const __m256 qi = _mm256_broadcast_ss(&q[r + i][d]);
         for (int64_t u = 0; u < NT; ++u) a[i][u] = _mm256_fmadd_ps(qi, k[u], a[i][u]);
@@ -133,22 +147,31 @@ struct Rows {
     }
   }
 
-  template <int64_t NT>
-  inline void scores_rows(int64_t r, int64_t count) {
+  template <int64_t NT, typename K>
+  inline void scores_rows(int64_t r, int64_t count, const K (*const* tiles)[kTile]) {
     switch (count) {
-      case 1: scores<1, NT>(r); break;
-      case 2: scores<2, NT>(r); break;
-      case 3: scores<3, NT>(r); break;
-      case 4: scores<4, NT>(r); break;
-      case 5: scores<5, NT>(r); break;
-      default: scores<kRowBlock, NT>(r); break;
+      case 1: scores<1, NT>(r, tiles); break;
+      case 2: scores<2, NT>(r, tiles); break;
+      case 3: scores<3, NT>(r, tiles); break;
+      case 4: scores<4, NT>(r, tiles); break;
+      case 5: scores<5, NT>(r, tiles); break;
+      default: scores<kRowBlock, NT>(r, tiles); break;
+    }
+  }
+
+  template <int64_t NT>
+  inline void scores_rows(int64_t r, int64_t count, bool packed) {
+    if (packed) {
+      scores_rows<NT>(r, count, keys_p);
+    } else {
+      scores_rows<NT>(r, count, keys_t);
     }
   }
 
   // acc[rows[i]] += sum over the pass's keys t in [t0, t1), in order, of sc[rows[i]][t] x value t (at
   // vals[t]), for N rows: each value vector loaded serves them all.
   template <int64_t N>
-  inline void add_values(const int64_t* rows, const float* const* vals, int64_t t0, int64_t t1) {
+  inline void add_values(const int64_t* rows, const C* const* vals, int64_t t0, int64_t t1) {
     constexpr int64_t kStep = 2;  // value vectors per row kept in registers
     for (int64_t c0 = 0; c0 < kChunks; c0 += kStep) {
       __m256 o[N][kStep];
@@ -157,7 +180,7 @@ struct Rows {
       }
       for (int64_t t = t0; t < t1; ++t) {
         __m256 vv[kStep];
-        for (int64_t c = 0; c < kStep; ++c) vv[c] = _mm256_loadu_ps(vals[t] + 8 * (c0 + c));
+        for (int64_t c = 0; c < kStep; ++c) vv[c] = load8(vals[t] + 8 * (c0 + c));
         for (int64_t i = 0; i < N; ++i) {
           const __m256 p = _mm256_broadcast_ss(&sc[rows[i]][t]);
           for (int64_t c = 0; c < kStep; ++c) o[i][c] = _mm256_fmadd_ps(p, vv[c], o[i][c]);
@@ -237,8 +260,8 @@ struct Rows {
   // keys) from 135-143 to 120-134 ms on an AVX2 EPYC.
   void attend(const PagedF32& pg, int64_t h, const KeySpan& span, int64_t row_begin, int64_t row_end,
               const KeySpan* next = nullptr) {
-    const float* k = pg.k + h * pg.s_head;
-    const float* v = pg.v + h * pg.s_head;
+    const C* k = pg.keys<C>(h);
+    const C* v = pg.values<C>(h);
     const int64_t* table = span.table;
     const int64_t key_lo = span.lo, key_hi = span.hi;
     int64_t live[kMaxRows];
@@ -248,12 +271,12 @@ struct Rows {
     // on the keys alone, not on which rows or keys shared its task.
     for (int64_t t0 = first_pass, j = 0; t0 < key_hi; t0 += kPass, ++j) {
       if (j + kAhead < n_pass) {
-        span.ask(pg, h, j + kAhead, 1);
+        span.ask<C>(pg, h, j + kAhead, 1);
       } else if (next != nullptr) {
-        next->ask(pg, h, j + kAhead - n_pass, 1);
+        next->ask<C>(pg, h, j + kAhead - n_pass, 1);
       }
       const int64_t nt = std::min<int64_t>(kPassTiles, (key_hi - t0 + kTile - 1) / kTile);
-      const float* vals[kPass] = {};  // each key's values
+      const C* vals[kPass] = {};  // each key's values
       // The pass's keys that are read: [t_lo, t_hi). The others (before the window, past the context, another
       // call's) may hold NaN (unused slots, released blocks): their scores are masked, their values not loaded.
       const int64_t t_lo = std::max<int64_t>(key_lo - t0, 0), t_hi = std::min<int64_t>(key_hi - t0, kPass);
@@ -264,15 +287,15 @@ struct Rows {
         if (pg.packed) {
           // In place: its keys outside [t_lo, t_hi) may be garbage (even NaN), but every row's softmax masks
           // their scores off, and their values are never read.
-          keys_t[u] = reinterpret_cast<const float(*)[kTile]>(k + at);
+          keys_p[u] = reinterpret_cast<const C(*)[kTile]>(k + at);
           continue;
         }
-        const float* keys = k + at;
+        const C* keys = k + at;
         for (int64_t c = 0; c < DIM / 8; ++c) {
           __m256 r[8];
           for (int64_t t = 0; t < kTile; ++t) {
             const int64_t key = kTile * u + t;
-            r[t] = key >= t_lo && key < t_hi ? _mm256_loadu_ps(keys + t * pg.s_token + 8 * c) : _mm256_setzero_ps();
+            r[t] = key >= t_lo && key < t_hi ? load8(keys + t * pg.s_token + 8 * c) : _mm256_setzero_ps();
           }
           transpose8(r);
           for (int64_t e = 0; e < 8; ++e) _mm256_store_ps(kt[u][8 * c + e], r[e]);
@@ -287,9 +310,9 @@ struct Rows {
       for (int64_t r = r0; r < r1; r += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, r1 - r);
         if (nt == 2) {
-          scores_rows<2>(r, rows);
+          scores_rows<2>(r, rows, pg.packed);
         } else {
-          scores_rows<1>(r, rows);
+          scores_rows<1>(r, rows, pg.packed);
         }
       }
       int64_t n_live = 0;
@@ -312,11 +335,11 @@ struct Rows {
 
 // One prompt task: queries [first, first + count) of a sequence (rows from q_start on, the first at
 // position pos0), for kv head h.
-template <int64_t DIM>
+template <int64_t DIM, typename C>
 void prompt_task(const PagedF32& pg, const int64_t* table, int64_t q_start, int64_t pos0, int64_t h, int64_t first,
                  int64_t count, int64_t window) {
   // ~2 x 96 x DIM floats of row state: on the heap, not on an OpenMP thread's stack.
-  auto rows = std::make_unique<Rows<DIM>>();
+  auto rows = std::make_unique<Rows<DIM, C>>();
   const int64_t group = pg.group;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t p = pos0 + i;
@@ -325,17 +348,17 @@ void prompt_task(const PagedF32& pg, const int64_t* table, int64_t q_start, int6
     }
   }
   const KeySpan keys{table, rows->low[0], pos0 + count};
-  keys.ask(pg, h, 0, kAhead);
+  keys.ask<C>(pg, h, 0, kAhead);
   rows->attend(pg, h, keys, 0, rows->n);
   for (int64_t r = 0; r < rows->n; ++r) rows->write(r, pg.out + pg.at(q_start + first + r / group, h, r % group));
 }
 
 // One decode task: single-query sequences [first, first + count) sharing their first `shared` keys (the
 // same blocks), for kv head h: the shared keys are read once for all their rows, then each sequence's own.
-template <int64_t DIM>
+template <int64_t DIM, typename C>
 void decode_group_task(const PagedF32& pg, const int64_t* tables, int64_t width, const int64_t* lens,
                        const int64_t* row_of, int64_t h, int64_t first, int64_t count, int64_t shared) {
-  auto rows = std::make_unique<Rows<DIM>>();
+  auto rows = std::make_unique<Rows<DIM, C>>();
   const int64_t group = pg.group;
   for (int64_t b = first; b < first + count; ++b) {
     for (int64_t g = 0; g < group; ++g) rows->add(pg.q + pg.at(row_of[b], h, g), pg.scale, lens[b] - 1, 0);
@@ -343,7 +366,7 @@ void decode_group_task(const PagedF32& pg, const int64_t* tables, int64_t width,
   const auto own = [&](int64_t b) { return KeySpan{tables + b * width, shared, lens[b]}; };
   KeySpan next = own(first);
   const KeySpan common{tables + first * width, 0, shared};
-  common.ask(pg, h, 0, kAhead);
+  common.ask<C>(pg, h, 0, kAhead);
   rows->attend(pg, h, common, 0, rows->n, &next);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t b = first + i;
@@ -363,7 +386,14 @@ void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start,
                       int64_t h, int64_t first, int64_t count, int64_t window) {
 #ifdef KVPOOL_AVX2_F32
   const int64_t pos0 = ctx - q_len + first;  // position of the task's first query
-  auto* fn = pg.dim == 64 ? &prompt_task<64> : pg.dim == 128 ? &prompt_task<128> : &prompt_task<256>;
+  if (pg.kv_bf16) {
+    auto* fn = pg.dim == 64    ? &prompt_task<64, c10::BFloat16>
+               : pg.dim == 128 ? &prompt_task<128, c10::BFloat16>
+                               : &prompt_task<256, c10::BFloat16>;
+    fn(pg, table, q_start, pos0, h, first, count, window);
+    return;
+  }
+  auto* fn = pg.dim == 64 ? &prompt_task<64, float> : pg.dim == 128 ? &prompt_task<128, float> : &prompt_task<256, float>;
   fn(pg, table, q_start, pos0, h, first, count, window);
 #else
   (void)pg, (void)table, (void)q_start, (void)q_len, (void)ctx, (void)h, (void)first, (void)count, (void)window;
@@ -373,7 +403,16 @@ void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start,
 void decode_group_f32_rows(const PagedF32& pg, const int64_t* tables, int64_t width, const int64_t* lens,
                            const int64_t* row_of, int64_t h, int64_t first, int64_t count, int64_t shared) {
 #ifdef KVPOOL_AVX2_F32
-  auto* fn = pg.dim == 64 ? &decode_group_task<64> : pg.dim == 128 ? &decode_group_task<128> : &decode_group_task<256>;
+  if (pg.kv_bf16) {
+    auto* fn = pg.dim == 64    ? &decode_group_task<64, c10::BFloat16>
+               : pg.dim == 128 ? &decode_group_task<128, c10::BFloat16>
+                               : &decode_group_task<256, c10::BFloat16>;
+    fn(pg, tables, width, lens, row_of, h, first, count, shared);
+    return;
+  }
+  auto* fn = pg.dim == 64    ? &decode_group_task<64, float>
+             : pg.dim == 128 ? &decode_group_task<128, float>
+                             : &decode_group_task<256, float>;
   fn(pg, tables, width, lens, row_of, h, first, count, shared);
 #else
   (void)pg, (void)tables, (void)width, (void)lens, (void)row_of, (void)h, (void)first, (void)count, (void)shared;
