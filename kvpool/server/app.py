@@ -30,7 +30,6 @@ from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
 from kvpool.server.errors import (
-    ERROR_TYPES,
     APIError,
     ClientDisconnected,
     add_error_handlers,
@@ -40,9 +39,15 @@ from kvpool.server.errors import (
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
-from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, chat_messages
+from kvpool.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, PinRequest, chat_messages
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def template_refused(e: Exception) -> APIError:
+    """A chat template's own error (roles out of order, a field it needs), not jinja's TemplateError (the
+    engine's ValueError): the client's messages, so a 400 naming them."""
+    return APIError(400, f"messages: the chat template refused them: {e}", "messages")
 
 async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
     raw = await read_raw(request, max_bytes)
@@ -192,10 +197,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
                             "choices": [], "usage": usage_json(out)}
                     yield f"data: {json.dumps(body)}\n\n"
-            except EngineDeadError as e:
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': ERROR_TYPES[503], 'code': 503}})}\n\n"
+            except EngineDeadError as e:  # (the same error object as a response's, `param` included)
+                yield f"data: {json.dumps(APIError(503, str(e)).body())}\n\n"
             except ValueError as e:  # refused on the engine thread when queued
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': ERROR_TYPES[400], 'code': 400}})}\n\n"
+                yield f"data: {json.dumps(APIError.from_value_error(e).body())}\n\n"
             finally:
                 stream.abort()  # a no-op when finished; frees the blocks when the client left mid-stream
             yield "data: [DONE]\n\n"
@@ -228,6 +233,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         return {"id": pin.pin_id, "object": "pin", "num_tokens": pin.num_tokens, "num_blocks": len(pin.blocks),
                 "block_ids": pin.block_ids, "expires_in": left}
 
+    async def chat_prefix(messages: list[ChatMessage]) -> list[int]:
+        try:
+            return await engine.chat_prefix(chat_messages(messages))
+        except ValueError:
+            raise
+        except Exception as e:
+            raise template_refused(e) from None
+
     @app.post("/v1/pins")
     async def pin_prefix(request: Request) -> JSONResponse:
         """Pin a prefix (text or token ids) for `ttl` seconds: computed first if not cached; 409 over
@@ -239,9 +252,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                                 "chat's first messages), one of the two", "prompt")
         field = "prompt" if body.messages is None else "messages"
         rename = {"prompt_token_ids": field, "pin_prefix": field}
+        if body.messages is not None and (parts := image_parts(body.messages)):
+            # (A pin is of the chat's text alone: it would hold tokens that no chat with the image starts with.)
+            where = parts[0][0]
+            raise APIError(400, f"{where}: a pinned prefix is text only; pin the messages before the first image",
+                           where)
         try:
-            prompt = (body.prompt if body.messages is None
-                      else await engine.chat_prefix(chat_messages(body.messages)))
+            prompt = body.prompt if body.messages is None else await chat_prefix(body.messages)
 
             def pin(e: Any) -> Pin:
                 return e.pin_prefix(prompt, ttl=body.ttl, cache_salt=body.cache_salt)
@@ -342,8 +359,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                 ids = await engine.apply_chat_template(body.chat_messages())
         except ValueError as e:
             raise APIError.from_value_error(e, rename) from None
-        except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
-            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        except Exception as e:
+            raise template_refused(e) from None
         stream = await start(ids, params, body.cache_salt, mm, lora, rename)
         rid = f"chatcmpl-{stream.request_id}"
 

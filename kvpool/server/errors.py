@@ -39,11 +39,14 @@ class APIError(Exception):
             field = rename[field]
         return cls(400, msg, field)
 
+    def body(self) -> dict[str, dict[str, object]]:
+        """The error object, also as a streamed event's data once a stream has begun."""
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status == 503 else None
-        body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 async def read_raw(request: Request, max_bytes: int) -> bytes:
