@@ -127,7 +127,7 @@ class LLMEngine:
                                  page_sizes=self.runner.page_sizes, eviction_policy=config.eviction_policy,
                                  state_retention_interval=config.state_retention_tokens // bs,
                                  state_retention_budget=config.state_retention_budget)
-        self.pins = PinSet(self.kv.block_pool, int(config.pin_budget * self.kv.block_pool.num_usable_blocks),
+        self.pins = PinSet(self.kv.block_pool, self._pin_budget_blocks(),
                            id_prefix=f"pin-{uuid.uuid4().hex[:8]}-")  # ids unique to this engine
         self._pins_lost: list[Pin] = []  # pins a failed step kept from being made again (tried at the next reset)
         self.kv.external_holders.append(self.pins.held_blocks)
@@ -163,10 +163,20 @@ class LLMEngine:
                                      host_pages=self.runner.host_pages, group_of_layer=layout.group_of_layer,
                                      tensor_of_layer=layout.tensor_of_layer)
 
+    def _pin_budget_blocks(self) -> int:
+        """The blocks pinned prefixes may hold: none where pins are refused (prefix caching off, or several
+        layer groups)."""
+        if not self.config.enable_prefix_caching or len(self.runner.kv_cache_specs) != 1:
+            return 0
+        return int(self.config.pin_budget * (self.runner.num_blocks - 1))
+
     def _longest_fitting_request(self, limit: int) -> int:
         """A request must fit the pool alone, so it can always finish once the others are preempted: the
-        longest that does, over every KV cache group (sliding-window groups hold only their window)."""
-        usable = self.runner.num_blocks - 1  # block 0 is the null block
+        longest that does, over every KV cache group (sliding-window groups hold only their window). Pinned
+        blocks are never preempted, so it must fit beside a full pin budget: otherwise a pin could leave an
+        accepted request waiting forever, and every request queued behind it."""
+        reserve = self._pin_budget_blocks()
+        usable = self.runner.num_blocks - 1 - reserve  # block 0 is the null block
         chunk = self.config.max_num_batched_tokens
         specs = self.runner.kv_cache_specs
 
@@ -194,7 +204,9 @@ class LLMEngine:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         if lo < 2:
-            raise ValueError(f"kv_cache_memory: {self.runner.num_blocks} blocks cannot hold even a 2-token request")
+            beside = f" beside a pin budget of {reserve} blocks (pin_budget)" if reserve else ""
+            raise ValueError(f"kv_cache_memory: {self.runner.num_blocks} blocks cannot hold even a 2-token "
+                             f"request{beside}")
         return lo
 
     # -- pinned prefixes (kvpool.core.pins) ------------------------------------------------------------

@@ -162,3 +162,22 @@ def test_ctrl_c_while_pins_are_computed_again_leaves_a_clean_engine(tiny_llama_d
     assert list(eng.pins.pins) == [pin.pin_id] and calls["steps"] == 2
     greedy = SamplingParams.greedy(4)
     assert llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0].num_cached_tokens == 20
+
+
+def test_the_longest_request_fits_beside_a_full_pin_budget(tiny_llama_dir: Path) -> None:
+    """Pinned blocks are never preempted: the longest request the engine accepts must fit beside a full pin
+    budget, or a pin would leave it waiting forever (and every request queued behind it). 39 usable blocks of
+    4 tokens, half of them (19) for pins: the longest request is 20 blocks."""
+    llm = make(tiny_llama_dir, pin_budget=0.5)
+    assert llm.engine.pins.budget_blocks == 19 and llm.engine.max_model_len == 20 * 4
+    pin = llm.pin_prefix(toks(7, 19 * 4))  # the whole budget
+    assert len(pin.block_ids) == 19
+    long = toks(8, 80 - 6)
+    out = llm.generate([long, toks(9, 10)], SamplingParams.greedy(6), use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [6, 6]
+    llm.engine.kv.check_integrity()
+    with pytest.raises(ValueError, match="the prompt has 80 tokens; the context holds 80"):
+        llm.generate([toks(10, 80)], SamplingParams.greedy(6), use_tqdm=False)
+    # No pins possible, nothing held back: the whole pool.
+    assert make(tiny_llama_dir, pin_budget=0.0).engine.max_model_len == 39 * 4
+    assert make(tiny_llama_dir, pin_budget=0.5, enable_prefix_caching=False).engine.max_model_len == 39 * 4
