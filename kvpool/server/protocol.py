@@ -2,8 +2,8 @@
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
 result (penalties, logprobs, n > 1, logit_bias, response_format, tools, guided decoding, vLLM's
-min_p / min_tokens / repetition_penalty: `_UNSUPPORTED`), and ignored when they are only bookkeeping
-(`user`, `metadata`).
+min_p / min_tokens / repetition_penalty / beam search / allowed or bad words / special-token and chat
+template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ class StreamOptions(BaseModel):
 
 def _none_or(*ok: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or (not isinstance(v, bool) and v in ok)
+
+
+def _none_or_flag(default: bool) -> Callable[[Any], bool]:
+    return lambda v: v is None or v is default
 
 
 # Fields that change the answer (its tokens or what comes back) and that kvpool does not implement:
@@ -45,6 +49,23 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": _none_or("none", "auto"),
     "functions": lambda v: v is None or v == [],
     "function_call": _none_or("none", "auto"),
+    # vLLM's extensions that change the tokens or the text (their no-op values as vLLM defaults them).
+    "use_beam_search": _none_or_flag(False),
+    "length_penalty": _none_or(1),
+    "allowed_token_ids": _none_or(),
+    "bad_words": lambda v: v is None or v == [],
+    "truncate_prompt_tokens": _none_or(),
+    "skip_special_tokens": _none_or_flag(True),
+    "spaces_between_special_tokens": _none_or_flag(True),
+    # ... and chat's (on /v1/completions `echo` is a field of its own, refused when true).
+    "echo": _none_or_flag(False),
+    "add_generation_prompt": _none_or_flag(True),
+    "continue_final_message": _none_or_flag(False),
+    "chat_template": _none_or(),
+    "chat_template_kwargs": lambda v: v is None or v == {},
+    "documents": _none_or(),
+    # Chat's name for max_tokens, sent to /v1/completions, would bound nothing there.
+    "max_completion_tokens": _none_or(),
 }
 
 
