@@ -163,15 +163,15 @@ class ModelRunner:
             if getattr(self.model.arch, "layer_state_shapes", None) is not None:
                 raise ValueError("batch_invariant: models with state layers are not supported in this mode")
             make_batch_invariant(self.model, self.dtype)
-        if self.kv_dtype != self.dtype and getattr(self.model.arch, "layer_state_shapes", None) is not None:
-            # Their attention pages share byte buffers with the state layers' pages (kvpool.runner.state_cache).
-            raise ValueError(f"kv_cache_dtype: models with state layers keep their KV cache in the model's dtype "
-                             f"({str(self.dtype).removeprefix('torch.')}); got {kv_cache_dtype!r}")
             if self.device.type != "cpu":
                 # The padding answers the CPU BLAS's choice of kernel by row count; a GPU's BLAS chooses
                 # by other rules, so outputs may differ in their last bits (tokens rarely).
                 log.warning("batch_invariant: bit-identical outputs are shown on the CPU only, not on %s",
                             self.device.type)
+        if self.kv_dtype != self.dtype and getattr(self.model.arch, "layer_state_shapes", None) is not None:
+            # Their attention pages share byte buffers with the state layers' pages (kvpool.runner.state_cache).
+            raise ValueError(f"kv_cache_dtype: models with state layers keep their KV cache in the model's dtype "
+                             f"({str(self.dtype).removeprefix('torch.')}); got {kv_cache_dtype!r}")
         arch = self.model.arch
         self.arch = arch
         # The compiled decode kernel covers these shapes (see decode_attention.cpp); the torch path the rest.
