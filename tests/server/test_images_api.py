@@ -274,8 +274,8 @@ BAD = [
      f"{P0}: '/etc/hostname' is outside the allowed local media path"),
     ("no such file", chat("file:///MEDIA/none.png"), P0, f"{P0}: no such file"),
     ("escaping ..", chat("file:///MEDIA/../x.png"), P0, "x.png' is outside the allowed local media path"),
-    ("the image token typed in the text too", chat(data_url(picture(1)), text="<|image|> twice?"), "mm_inputs",
-     "mm_inputs: the prompt must hold the image token (id 49152) exactly once for its image; found it 2 times"),
+    ("the image token typed in the text too", chat(data_url(picture(1)), text="<|image|> twice?"), "messages",
+     "messages: the prompt must hold the image token (id 49152) exactly once for its image; found it 2 times"),
     ("unknown part", {"model": "vis", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
      "messages.0.content", "messages.0.content: Input should be a valid string / 0.type: Input should be 'text' or "
      "'image_url'"),
