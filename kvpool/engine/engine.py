@@ -164,49 +164,51 @@ class LLMEngine:
                                      tensor_of_layer=layout.tensor_of_layer)
 
     def _pin_budget_blocks(self) -> int:
-        """The blocks pinned prefixes may hold: none where pins are refused (prefix caching off, or several
-        layer groups)."""
+        """The blocks pinned prefixes may hold: `pin_budget` of the pool, but never so many that the longest
+        request the engine accepts (`max_model_len`) could not fit beside them. Pinned blocks are never
+        preempted, so such a request would wait forever, and every request queued behind it. None where pins
+        are refused (prefix caching off, or several layer groups)."""
         if not self.config.enable_prefix_caching or len(self.runner.kv_cache_specs) != 1:
             return 0
-        return int(self.config.pin_budget * (self.runner.num_blocks - 1))
+        usable = self.runner.num_blocks - 1
+        share = int(self.config.pin_budget * usable)
+        room = usable - self._blocks_held(self.max_model_len)
+        if room < share:
+            log.info("pin budget: %d blocks, not %d (pin_budget %g): a %d-token request (max_model_len) holds %d "
+                     "of the pool's %d; lower max_model_len to pin more", max(room, 0), share,
+                     self.config.pin_budget, self.max_model_len, usable - room, usable)
+        return max(0, min(share, room))
+
+    def _blocks_held(self, n: int) -> int:
+        """The pool blocks (large pages in a two-level pool) an n-token request holds at most, alone, over every
+        KV cache group (sliding-window groups hold only their window)."""
+        specs = self.runner.kv_cache_specs
+        held = [s.max_blocks_held(n, self.config.max_num_batched_tokens) for s in specs]
+        retention = self.config.state_retention_tokens if self.config.enable_prefix_caching else 0
+        if retention:
+            # States retained along the prompt are held until the request ends (see MambaManager).
+            extra = min(self.config.state_retention_budget, n // retention)
+            held = [h + extra if isinstance(s, MambaSpec) else h for h, s in zip(held, specs, strict=True)]
+        page_sizes = self.runner.page_sizes
+        if page_sizes is None:
+            return sum(held)
+        # Two-level pool: the blocks are large pages; each page size packs lcm / size pages in one.
+        large = math.lcm(*page_sizes)
+        by_size: dict[int, int] = {}
+        for p, h in zip(page_sizes, held, strict=True):
+            by_size[p] = by_size.get(p, 0) + h
+        return sum(-(-h * p // large) for p, h in by_size.items())
 
     def _longest_fitting_request(self, limit: int) -> int:
         """A request must fit the pool alone, so it can always finish once the others are preempted: the
-        longest that does, over every KV cache group (sliding-window groups hold only their window). Pinned
-        blocks are never preempted, so it must fit beside a full pin budget: otherwise a pin could leave an
-        accepted request waiting forever, and every request queued behind it."""
-        reserve = self._pin_budget_blocks()
-        usable = self.runner.num_blocks - 1 - reserve  # block 0 is the null block
-        chunk = self.config.max_num_batched_tokens
-        specs = self.runner.kv_cache_specs
-
-        page_sizes = self.runner.page_sizes
-
-        retention = self.config.state_retention_tokens if self.config.enable_prefix_caching else 0
-
-        def fits(n: int) -> bool:
-            held = [s.max_blocks_held(n, chunk) for s in specs]
-            if retention:
-                # States retained along the prompt are held until the request ends (see MambaManager).
-                extra = min(self.config.state_retention_budget, n // retention)
-                held = [h + extra if isinstance(s, MambaSpec) else h for h, s in zip(held, specs, strict=True)]
-            if page_sizes is None:
-                return sum(held) <= usable
-            # Two-level pool: the blocks are large pages; each page size packs lcm / size pages in one.
-            large = math.lcm(*page_sizes)
-            by_size: dict[int, int] = {}
-            for p, h in zip(page_sizes, held, strict=True):
-                by_size[p] = by_size.get(p, 0) + h
-            return sum(-(-h * p // large) for p, h in by_size.items()) <= usable
-
+        longest that does."""
+        usable = self.runner.num_blocks - 1  # block 0 is the null block
         lo, hi = 0, limit
         while lo < hi:  # the largest n <= limit that fits
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            lo, hi = (mid, hi) if self._blocks_held(mid) <= usable else (lo, mid - 1)
         if lo < 2:
-            beside = f" beside a pin budget of {reserve} blocks (pin_budget)" if reserve else ""
-            raise ValueError(f"kv_cache_memory: {self.runner.num_blocks} blocks cannot hold even a 2-token "
-                             f"request{beside}")
+            raise ValueError(f"kv_cache_memory: {self.runner.num_blocks} blocks cannot hold even a 2-token request")
         return lo
 
     # -- pinned prefixes (kvpool.core.pins) ------------------------------------------------------------

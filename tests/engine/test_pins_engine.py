@@ -23,7 +23,9 @@ def toks(seed: int, n: int) -> list[int]:
 
 
 def make(model: Path, **kw: object) -> LLM:
-    return LLM(str(model), dtype="float32", skip_tokenizer_init=True, num_blocks=40, block_size=4, **kw)
+    # (max_model_len: a request as long as the pool would leave no room for pins.)
+    return LLM(str(model), dtype="float32", skip_tokenizer_init=True, num_blocks=40, block_size=4,
+               **{"max_model_len": 64, **kw})  # type: ignore[arg-type]
 
 
 def cached_ids(llm: LLM, pin) -> list[int]:
@@ -95,7 +97,7 @@ SYSTEM_PROMPT = "You are a careful assistant who answers in one short sentence. 
 
 @pytest.mark.parametrize("template", ["own", "system in the first turn"])
 def test_a_system_prompt_is_pinned_as_what_every_chat_with_it_shares(chat_llama_dir: Path, template: str) -> None:
-    llm = LLM(str(chat_llama_dir), dtype="float32", num_blocks=64)
+    llm = LLM(str(chat_llama_dir), dtype="float32", num_blocks=64, max_model_len=256)
     eng = llm.engine
     if template != "own":
         eng.tokenizer.chat_template = SYSTEM_IN_FIRST_TURN
@@ -165,19 +167,25 @@ def test_ctrl_c_while_pins_are_computed_again_leaves_a_clean_engine(tiny_llama_d
 
 
 def test_the_longest_request_fits_beside_a_full_pin_budget(tiny_llama_dir: Path) -> None:
-    """Pinned blocks are never preempted: the longest request the engine accepts must fit beside a full pin
-    budget, or a pin would leave it waiting forever (and every request queued behind it). 39 usable blocks of
-    4 tokens, half of them (19) for pins: the longest request is 20 blocks."""
-    llm = make(tiny_llama_dir, pin_budget=0.5)
-    assert llm.engine.pins.budget_blocks == 19 and llm.engine.max_model_len == 20 * 4
-    pin = llm.pin_prefix(toks(7, 19 * 4))  # the whole budget
+    """Pinned blocks are never preempted: the pin budget never takes the room the longest request the engine
+    accepts needs, or a pin would leave that request waiting forever (and every request queued behind it).
+    39 usable blocks of 4 tokens, half of them (19) for pins."""
+    def engine(**kw: object) -> LLM:
+        return LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=40, block_size=4,
+                   pin_budget=0.5, **kw)
+
+    # The pool is the limit: a 156-token request holds all 39 blocks, and leaves no room to pin.
+    llm = engine()
+    assert llm.engine.max_model_len == 39 * 4 and llm.engine.pins.budget_blocks == 0
+    with pytest.raises(ValueError, match=r"exceed the pin budget of 0 blocks"):
+        llm.pin_prefix(SYSTEM)
+    # An 80-token max_model_len holds 20 blocks: the pins get the other 19, the whole budget.
+    llm = engine(max_model_len=80)
+    assert llm.engine.pins.budget_blocks == 19
+    pin = llm.pin_prefix(toks(7, 19 * 4))
     assert len(pin.block_ids) == 19
-    long = toks(8, 80 - 6)
-    out = llm.generate([long, toks(9, 10)], SamplingParams.greedy(6), use_tqdm=False)
-    assert [len(o.token_ids) for o in out] == [6, 6]
+    out = llm.generate([toks(8, 80 - 6), toks(9, 10)], SamplingParams.greedy(6), use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [6, 6]  # the longest request ran beside them
     llm.engine.kv.check_integrity()
-    with pytest.raises(ValueError, match="the prompt has 80 tokens; the context holds 80"):
-        llm.generate([toks(10, 80)], SamplingParams.greedy(6), use_tqdm=False)
-    # No pins possible, nothing held back: the whole pool.
-    assert make(tiny_llama_dir, pin_budget=0.0).engine.max_model_len == 39 * 4
-    assert make(tiny_llama_dir, pin_budget=0.5, enable_prefix_caching=False).engine.max_model_len == 39 * 4
+    # 100 tokens hold 25 blocks: 14 are left for pins.
+    assert engine(max_model_len=100).engine.pins.budget_blocks == 14
