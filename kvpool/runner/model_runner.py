@@ -179,11 +179,11 @@ class ModelRunner:
                         and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
                         and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
                         and kernels.paged_decode_attention() is not None)
-        # The attention kernels read a cache of the queries' dtype, and the fp32 ones (AVX2) a bf16 cache too;
+        # The attention kernels read a cache of the queries' dtype, and the fp32 ones (AVX2) 16-bit caches too;
         # any other KV dtype goes through torch.
         self.decode_kernel = kernels_here and (
             self.kv_dtype == self.dtype
-            or ((self.dtype, self.kv_dtype) == (torch.float32, torch.bfloat16)
+            or (self.dtype == torch.float32 and self.kv_dtype in (torch.bfloat16, torch.float16)
                 and kernels.prefill_supported(arch.head_dim, block_size, torch.float32)))
         self.prefill_kernel = self.decode_kernel and kernels.prefill_supported(arch.head_dim, block_size, self.dtype)
         # Keys (bf16: and values) stored as the kernels read them, where those kernels read every layer's

@@ -2,7 +2,7 @@
 same memory. Greedy tokens equal transformers' with its cache rounding every key and value to the same
 dtype (and differ from plain fp32's on these prompts, so the comparison can fail), with prefix caching on
 and off, chunked prefill, hits served by the host tier, preemption, a sliding-window model and the store
-tier, on the torch path and on kvpool's fp32 CPU kernels (which read bf16 pages); blocks stored under
+tier, on the torch path and on kvpool's fp32 CPU kernels (which read 16-bit pages); blocks stored under
 another KV dtype are never read; models whose KV pages share bytes with state layers refuse it by name."""
 
 from __future__ import annotations
@@ -98,6 +98,18 @@ def test_tokens_do_not_depend_on_caching_chunking_tiers_or_preemption(
         assert kv.stats.host_hits > 0 and llm.engine.runner.host_kv_caches[0][0].dtype == torch.bfloat16
     if setting == "small pool":
         assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_fp16_pages_on_the_kernels(kernel_llama: tuple[Path, list[list[int]]]) -> None:
+    """fp16 pages through the same kernels (F16C widening), chunked and with prefix hits."""
+    if not kernels.prefill_supported(64, 8, torch.float32):
+        pytest.skip("this CPU lacks what kvpool's fp32 attention kernels need (AVX2 and FMA)")
+    path = kernel_llama[0]
+    want = hf_greedy(path, PROMPTS, N_OUT, kv_dtype=torch.float16)
+    llm = LLM(str(path), dtype="float32", kv_cache_dtype="float16", skip_tokenizer_init=True, block_size=8,
+              num_blocks=64, max_num_batched_tokens=8)
+    assert llm.engine.runner.decode_kernel and llm.engine.runner.kv_tensors[0][0].dtype == torch.float16
+    assert generate(llm) == want
 
 
 def test_twice_the_blocks_in_the_same_memory(tiny_llama_dir: Path) -> None:

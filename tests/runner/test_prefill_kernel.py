@@ -153,10 +153,10 @@ def test_fp32_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="packed caches must have each block's tokens contiguous"):
         op(q, kc.transpose(0, 1).contiguous().transpose(0, 1), vc.transpose(0, 1).contiguous().transpose(0, 1),
            starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q), True)
-    # bf16 caches are read under fp32 queries (a bf16 KV cache); fp16 ones, or two dtypes, are not.
-    for k, v in ((kc.half(), vc.half()), (kc.bfloat16(), vc)):
+    # 16-bit caches are read under fp32 queries (a 16-bit KV cache); float64 ones, or two dtypes, are not.
+    for k, v in ((kc.double(), vc.double()), (kc.bfloat16(), vc)):
         with pytest.raises(RuntimeError, match=r"k_cache and v_cache must share one Float \(or, under float32 "
-                                               r"queries, bfloat16\)"):
+                                               r"queries, bfloat16 or float16\)"):
             op(q, k, v, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
         op(q, kc, vc, starts, lens, ctx, torch.tensor([[int(tables[0, 0]), 99]]), 0, 1.0, torch.empty_like(q))
@@ -306,14 +306,15 @@ def test_write_kv_packed_is_the_packed_layout_of_write_kv(dtype) -> None:
     assert torch.equal(pk, want_k) and torch.equal(pv, want_v)
 
 
-def test_fp32_queries_over_bf16_caches_are_the_fp32_kernel_over_the_widened_caches() -> None:
-    """A bf16 KV cache under an fp32 model (`kv_cache_dtype`): every load widens 8 bf16 elements to fp32
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_fp32_queries_over_16_bit_caches_are_the_fp32_kernel_over_the_widened_caches(kv_dtype) -> None:
+    """A 16-bit KV cache under an fp32 model (`kv_cache_dtype`): every load widens 8 elements to fp32
     exactly, so the outputs are bit for bit those of fp32 caches holding the same (rounded) values, for
     prompt chunks (with and without a window) and grouped decode rows, standard and packed layouts."""
     if not kernels.prefill_supported(64, 16, torch.float32):
         pytest.skip("this CPU lacks what the fp32 prefill kernel needs")
     q, kc, vc, tables, lens, starts, shared = grouped_scenario(
-        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])], dtype=torch.bfloat16)
+        [(2, [40, 33, 64]), (0, [20]), (4, [65 + i for i in range(40)])], dtype=kv_dtype)
     q = q.float()
     wide = (kc.float(), vc.float())
     layouts = {"standard": ((kc, vc), wide), "packed": (kernels.packed_layout(kc, vc, "packed8"),
@@ -333,23 +334,25 @@ def test_fp32_queries_over_bf16_caches_are_the_fp32_kernel_over_the_widened_cach
             assert not got.isnan().any() and torch.equal(got, want), (name, window)
 
 
-def test_write_kv_rounds_fp32_into_bf16_caches_as_torch_does() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_write_kv_rounds_fp32_into_16_bit_caches_as_torch_does(kv_dtype) -> None:
     assert kernels.fused_ops() is not None, "the kernels must build on this machine"
     g = torch.Generator().manual_seed(7)
     kv_heads, nb, bs, dim, t = 3, 5, 16, 64, 40
     k = torch.randn(t, kv_heads, dim, generator=g)
     v = torch.randn(t, 2 * kv_heads, dim, generator=g)[:, ::2]  # strided heads
     slots = torch.randperm(nb * bs, generator=g)[:t]
-    kc = torch.zeros(kv_heads, nb, bs, dim, dtype=torch.bfloat16)
+    kc = torch.zeros(kv_heads, nb, bs, dim, dtype=kv_dtype)
     vc = torch.zeros_like(kc)
     torch.ops.kvpool.write_kv(k, v, kc, vc, slots)
     kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
-    kr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, k.transpose(0, 1).to(torch.bfloat16))
-    vr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, v.transpose(0, 1).to(torch.bfloat16))
+    kr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, k.transpose(0, 1).to(kv_dtype))
+    vr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, v.transpose(0, 1).to(kv_dtype))
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
     pk, pv = (torch.zeros_like(kc), torch.zeros_like(vc))
     torch.ops.kvpool.write_kv_packed(k, v, pk, pv, slots)
     want_k, want_v = kernels.packed_layout(kr, vr, "packed8")
     assert torch.equal(pk, want_k) and torch.equal(pv, want_v)
-    with pytest.raises(RuntimeError, match=r"must share one dtype \(or be float32 into bfloat16 caches\)"):
+    with pytest.raises(RuntimeError, match=r"must share one dtype \(or be float32 into bfloat16 or float16 "
+                                           r"caches\)"):
         torch.ops.kvpool.write_kv(k.to(torch.bfloat16), v.to(torch.bfloat16), kc.float(), vc.float(), slots)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -31,7 +32,9 @@ void decode_group_f32(const float* q, float* out, const float* k_cache, const fl
 
 // Prompt attention in fp32 (prefill_f32.cpp), run by paged_prefill_attention (prefill_attention.cpp) after
 // its checks. q and out: (rows, heads, dim); k and v: one layer's (kv_heads, blocks, block_size, dim) pages,
-// of fp32 or (a bf16 KV cache under an fp32 model) bf16 elements, widened to fp32 as they are loaded.
+// of fp32 or (a 16-bit KV cache under an fp32 model) bf16 or fp16 elements, widened to fp32 as they are loaded.
+enum class KvElem : int8_t { kFloat, kBFloat16, kHalf };
+
 struct PagedF32 {
   const float* q;
   float* out;
@@ -40,11 +43,11 @@ struct PagedF32 {
   int64_t heads, group, dim, s_head, s_block, s_token, block_size;
   float scale;
   bool packed;    // keys stored as [dim][8] per 8 tokens (write_kv_packed), values in rows
-  bool kv_bf16;   // the pages hold bf16 elements (else fp32)
+  KvElem kv_elem;  // what the pages hold
 
   // Offset of query head g of kv head h in row `row` of q and out.
   int64_t at(int64_t row, int64_t h, int64_t g) const { return (row * heads + h * group + g) * dim; }
-  // kv head h's keys and values, as elements of type C (the pages' own: float or c10::BFloat16).
+  // kv head h's keys and values, as elements of type C (the pages' own: float, c10::BFloat16 or c10::Half).
   template <typename C>
   const C* keys(int64_t h) const { return static_cast<const C*>(k) + h * s_head; }
   template <typename C>

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
@@ -14,8 +15,8 @@ namespace {
 
 // The checks both writes make. k, v: (T, kv_heads, D), D contiguous, any token and head strides (views of
 // the fused qkv projection); k_cache, v_cache: contiguous (kv_heads, blocks, block_size, D) of the same
-// dtype (or bf16 caches of fp32 keys and values: a bf16 KV cache under an fp32 model, rounded to nearest
-// even as torch's `.to(torch.bfloat16)` rounds); slots: (T,) int64, token t goes to block slots[t] /
+// dtype (or bf16 or fp16 caches of fp32 keys and values: a 16-bit KV cache under an fp32 model, rounded to
+// nearest even as torch's `.to()` rounds); slots: (T,) int64, token t goes to block slots[t] /
 // block_size, offset slots[t] % block_size. Slots must be distinct.
 void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& slots) {
@@ -23,10 +24,11 @@ void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
               "k and v must be (T, kv_heads, head_dim) tensors with head_dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be contiguous (kv_heads, blocks, block_size, head_dim)");
-  const bool narrowed = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+  const bool narrowed = k.scalar_type() == at::kFloat &&
+                        (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
   TORCH_CHECK((k.scalar_type() == k_cache.scalar_type() || narrowed) && v.scalar_type() == k.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "k, v and the caches must share one dtype (or be float32 into bfloat16 caches)");
+              "k, v and the caches must share one dtype (or be float32 into bfloat16 or float16 caches)");
   TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
               "slots must be a contiguous int64 (T,) tensor");
@@ -40,18 +42,19 @@ void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
 // One token's head_dim elements, converted to the cache's element type.
 template <typename C>
 inline void put(C* dst, const float* src, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<C>(src[d]);  // c10::BFloat16: round to nearest even
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<C>(src[d]);  // 16-bit: round to nearest even
 }
 
-// fp32 keys and values into bf16 caches (standard layout).
+// fp32 keys and values into 16-bit caches of C elements (standard layout).
+template <typename C>
 void write_kv_narrowed(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slots) {
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const float* kp = k.const_data_ptr<float>();
   const float* vp = v.const_data_ptr<float>();
-  auto* kc = k_cache.mutable_data_ptr<c10::BFloat16>();
-  auto* vc = v_cache.mutable_data_ptr<c10::BFloat16>();
+  C* kc = k_cache.mutable_data_ptr<C>();
+  C* vc = v_cache.mutable_data_ptr<C>();
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -66,7 +69,11 @@ void write_kv_narrowed(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_c
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
   check_write(k, v, k_cache, v_cache, slots);
   if (k.scalar_type() != k_cache.scalar_type()) {
-    write_kv_narrowed(k, v, k_cache, v_cache, slots);
+    if (k_cache.scalar_type() == at::kBFloat16) {
+      write_kv_narrowed<c10::BFloat16>(k, v, k_cache, v_cache, slots);
+    } else {
+      write_kv_narrowed<c10::Half>(k, v, k_cache, v_cache, slots);
+    }
     return;
   }
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
@@ -87,8 +94,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
-// fp32 keys and values into caches as prefill_f32.cpp reads them, of C elements (fp32, or bf16 under an fp32
-// model): within a block, every 8 tokens' keys form a tile of [head_dim][8] (key t's element d at [d][t],
+// fp32 keys and values into caches as prefill_f32.cpp reads them, of C elements (fp32, or bf16 or fp16 under
+// an fp32 model): within a block, every 8 tokens' keys form a tile of [head_dim][8] (key t's element d at [d][t],
 // what the kernel's transposes made at every read); values stay in rows, which it reads in place.
 template <typename C>
 void write_kv_packed_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -124,8 +131,10 @@ void write_kv_packed(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cach
   if (k.scalar_type() == at::kFloat) {
     if (k_cache.scalar_type() == at::kFloat) {
       write_kv_packed_f32<float>(k, v, k_cache, v_cache, slots);
-    } else {
+    } else if (k_cache.scalar_type() == at::kBFloat16) {
       write_kv_packed_f32<c10::BFloat16>(k, v, k_cache, v_cache, slots);
+    } else {
+      write_kv_packed_f32<c10::Half>(k, v, k_cache, v_cache, slots);
     }
     return;
   }

@@ -18,9 +18,10 @@
 // key a row does not see changes nothing (weight exactly 0, never a rescale). That is what keeps fp32
 // tokens identical with prefix caching on or off and at any chunk size, as the bf16 kernel's are.
 //
-// The pages may hold bf16 keys and values instead (`kv_cache_dtype` bfloat16 under an fp32 model): every
-// load then widens 8 of them to fp32 exactly (a bf16 is the top half of an fp32), and the arithmetic is the
-// same; the queries, sums and outputs stay fp32. Half the bytes per key is what a decode step streams.
+// The pages may hold bf16 or fp16 keys and values instead (`kv_cache_dtype` under an fp32 model): every
+// load then widens 8 of them to fp32 exactly (a bf16 is the top half of an fp32; fp16 through F16C), and the
+// arithmetic is the same; the queries, sums and outputs stay fp32. Half the bytes per key is what a decode
+// step streams.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -84,6 +85,15 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
 }
 
 constexpr int64_t kPass = kTile * kPassTiles;  // keys per pass, at positions that are multiples of kPass
@@ -377,6 +387,20 @@ void decode_group_task(const PagedF32& pg, const int64_t* tables, int64_t width,
   }
 }
 
+// The task functions for head_dim 64, 128 or 256 (what prefill_f32_supported allows) and pages of C.
+struct PromptTask {
+  template <int64_t DIM, typename C>
+  static constexpr auto fn = &prompt_task<DIM, C>;
+};
+struct DecodeTask {
+  template <int64_t DIM, typename C>
+  static constexpr auto fn = &decode_group_task<DIM, C>;
+};
+template <typename Task, typename C>
+auto by_dim(int64_t dim) {
+  return dim == 64 ? Task::template fn<64, C> : dim == 128 ? Task::template fn<128, C> : Task::template fn<256, C>;
+}
+
 }  // namespace
 #endif
 
@@ -386,15 +410,11 @@ void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start,
                       int64_t h, int64_t first, int64_t count, int64_t window) {
 #ifdef KVPOOL_AVX2_F32
   const int64_t pos0 = ctx - q_len + first;  // position of the task's first query
-  if (pg.kv_bf16) {
-    auto* fn = pg.dim == 64    ? &prompt_task<64, c10::BFloat16>
-               : pg.dim == 128 ? &prompt_task<128, c10::BFloat16>
-                               : &prompt_task<256, c10::BFloat16>;
-    fn(pg, table, q_start, pos0, h, first, count, window);
-    return;
+  switch (pg.kv_elem) {
+    case KvElem::kBFloat16: return by_dim<PromptTask, c10::BFloat16>(pg.dim)(pg, table, q_start, pos0, h, first, count, window);
+    case KvElem::kHalf: return by_dim<PromptTask, c10::Half>(pg.dim)(pg, table, q_start, pos0, h, first, count, window);
+    case KvElem::kFloat: return by_dim<PromptTask, float>(pg.dim)(pg, table, q_start, pos0, h, first, count, window);
   }
-  auto* fn = pg.dim == 64 ? &prompt_task<64, float> : pg.dim == 128 ? &prompt_task<128, float> : &prompt_task<256, float>;
-  fn(pg, table, q_start, pos0, h, first, count, window);
 #else
   (void)pg, (void)table, (void)q_start, (void)q_len, (void)ctx, (void)h, (void)first, (void)count, (void)window;
 #endif
@@ -403,17 +423,11 @@ void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start,
 void decode_group_f32_rows(const PagedF32& pg, const int64_t* tables, int64_t width, const int64_t* lens,
                            const int64_t* row_of, int64_t h, int64_t first, int64_t count, int64_t shared) {
 #ifdef KVPOOL_AVX2_F32
-  if (pg.kv_bf16) {
-    auto* fn = pg.dim == 64    ? &decode_group_task<64, c10::BFloat16>
-               : pg.dim == 128 ? &decode_group_task<128, c10::BFloat16>
-                               : &decode_group_task<256, c10::BFloat16>;
-    fn(pg, tables, width, lens, row_of, h, first, count, shared);
-    return;
+  switch (pg.kv_elem) {
+    case KvElem::kBFloat16: return by_dim<DecodeTask, c10::BFloat16>(pg.dim)(pg, tables, width, lens, row_of, h, first, count, shared);
+    case KvElem::kHalf: return by_dim<DecodeTask, c10::Half>(pg.dim)(pg, tables, width, lens, row_of, h, first, count, shared);
+    case KvElem::kFloat: return by_dim<DecodeTask, float>(pg.dim)(pg, tables, width, lens, row_of, h, first, count, shared);
   }
-  auto* fn = pg.dim == 64    ? &decode_group_task<64, float>
-             : pg.dim == 128 ? &decode_group_task<128, float>
-                             : &decode_group_task<256, float>;
-  fn(pg, tables, width, lens, row_of, h, first, count, shared);
 #else
   (void)pg, (void)tables, (void)width, (void)lens, (void)row_of, (void)h, (void)first, (void)count, (void)shared;
 #endif
