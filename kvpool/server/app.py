@@ -49,6 +49,7 @@ def template_refused(e: Exception) -> APIError:
     engine's ValueError): the client's messages, so a 400 naming them."""
     return APIError(400, f"messages: the chat template refused them: {e}", "messages")
 
+
 async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
     raw = await read_raw(request, max_bytes)
     try:
