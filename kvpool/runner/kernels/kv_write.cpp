@@ -45,10 +45,14 @@ inline void put(C* dst, const float* src, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<C>(src[d]);  // 16-bit: round to nearest even
 }
 
-// fp32 keys and values into 16-bit caches of C elements (standard layout).
+// fp32 keys and values into caches of C elements (fp32, or bf16 or fp16 under an fp32 model), rounded as
+// torch's `.to()` rounds. `packed`: as prefill_f32.cpp reads them, within a block every 8 tokens' keys form a
+// tile of [head_dim][8] (key t's element d at [d][t], what the kernel's transposes made at every read);
+// values stay in rows, which it reads in place. Else keys in rows too (standard layout).
 template <typename C>
-void write_kv_narrowed(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                       const at::Tensor& slots) {
+void write_kv_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const at::Tensor& slots, bool packed) {
+  TORCH_CHECK(!packed || k_cache.size(2) % 8 == 0, "packed float32 caches need blocks of a multiple of 8 tokens");
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const float* kp = k.const_data_ptr<float>();
@@ -57,23 +61,37 @@ void write_kv_narrowed(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_c
   C* vc = v_cache.mutable_data_ptr<C>();
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      const int64_t tile = sp[t] / 8, i = sp[t] % 8;  // tiles are whole within a block (8 | block_size)
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = h * head_stride + sp[t] * dim;
-        put(kc + dst, kp + t * k.stride(0) + h * k.stride(1), dim);
-        put(vc + dst, vp + t * v.stride(0) + h * v.stride(1), dim);
+        const float* ks = kp + t * k.stride(0) + h * k.stride(1);
+        if (packed) {
+          C* kt = kc + h * head_stride + tile * 8 * dim;
+          for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = static_cast<C>(ks[d]);
+        } else {
+          put(kc + h * head_stride + sp[t] * dim, ks, dim);
+        }
+        put(vc + h * head_stride + sp[t] * dim, vp + t * v.stride(0) + h * v.stride(1), dim);
       }
     }
   });
 }
 
+// write_kv_f32 for the caches' element type.
+void write_kv_from_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slots, bool packed) {
+  if (k_cache.scalar_type() == at::kFloat) {
+    write_kv_f32<float>(k, v, k_cache, v_cache, slots, packed);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    write_kv_f32<c10::BFloat16>(k, v, k_cache, v_cache, slots, packed);
+  } else {
+    write_kv_f32<c10::Half>(k, v, k_cache, v_cache, slots, packed);
+  }
+}
+
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
   check_write(k, v, k_cache, v_cache, slots);
   if (k.scalar_type() != k_cache.scalar_type()) {
-    if (k_cache.scalar_type() == at::kBFloat16) {
-      write_kv_narrowed<c10::BFloat16>(k, v, k_cache, v_cache, slots);
-    } else {
-      write_kv_narrowed<c10::Half>(k, v, k_cache, v_cache, slots);
-    }
+    write_kv_from_f32(k, v, k_cache, v_cache, slots, false);
     return;
   }
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
@@ -94,48 +112,16 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
-// fp32 keys and values into caches as prefill_f32.cpp reads them, of C elements (fp32, or bf16 or fp16 under
-// an fp32 model): within a block, every 8 tokens' keys form a tile of [head_dim][8] (key t's element d at [d][t],
-// what the kernel's transposes made at every read); values stay in rows, which it reads in place.
-template <typename C>
-void write_kv_packed_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                         const at::Tensor& slots) {
-  TORCH_CHECK(k_cache.size(2) % 8 == 0, "packed float32 caches need blocks of a multiple of 8 tokens");
-  const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
-  const int64_t* sp = slots.const_data_ptr<int64_t>();
-  const float* kp = k.const_data_ptr<float>();
-  const float* vp = v.const_data_ptr<float>();
-  C* kc = k_cache.mutable_data_ptr<C>();
-  C* vc = v_cache.mutable_data_ptr<C>();
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t tile = sp[t] / 8, i = sp[t] % 8;  // tiles are whole within a block (8 | block_size)
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* ks = kp + t * k.stride(0) + h * k.stride(1);
-        C* kt = kc + h * head_stride + tile * 8 * dim;
-        for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = static_cast<C>(ks[d]);
-        put(vc + h * head_stride + sp[t] * dim, vp + t * v.stride(0) + h * v.stride(1), dim);
-      }
-    }
-  });
-}
-
 // The same into caches laid out as the attention kernels read them (done once at write time instead of at
 // every read). bf16 (prefill_attention.cpp's pack_keys and pack_values): within a block, every 16 tokens
 // form a tile; a key tile is [head_dim / 2][16] pairs (key t's elements 2p, 2p + 1 at [p][t]), a value
-// tile [8][head_dim] pairs (element d of tokens 2j and 2j + 1 at [j][d]). fp32: write_kv_packed_f32.
+// tile [8][head_dim] pairs (element d of tokens 2j and 2j + 1 at [j][d]). fp32: write_kv_f32.
 // Whole blocks keep their bytes together, so swaps and the store copy them as before.
 void write_kv_packed(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slots) {
   check_write(k, v, k_cache, v_cache, slots);
   if (k.scalar_type() == at::kFloat) {
-    if (k_cache.scalar_type() == at::kFloat) {
-      write_kv_packed_f32<float>(k, v, k_cache, v_cache, slots);
-    } else if (k_cache.scalar_type() == at::kBFloat16) {
-      write_kv_packed_f32<c10::BFloat16>(k, v, k_cache, v_cache, slots);
-    } else {
-      write_kv_packed_f32<c10::Half>(k, v, k_cache, v_cache, slots);
-    }
+    write_kv_from_f32(k, v, k_cache, v_cache, slots, true);
     return;
   }
   TORCH_CHECK(k_cache.element_size() == 2, "packed caches hold float32 or a 16-bit dtype");
