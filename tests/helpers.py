@@ -128,14 +128,17 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
 
 def rounding_cache(config: Any, kv_dtype: torch.dtype) -> Any:
     """A transformers KV cache that rounds every key and value to `kv_dtype` as it stores them (in their
-    own dtype): the reference of kvpool's `kv_cache_dtype`."""
+    own dtype; saturating where fp16's and fp8's range ends): the reference of kvpool's `kv_cache_dtype`."""
     from transformers import DynamicCache
+
+    from kvpool.runner.dtypes import round_to
 
     class RoundingCache(DynamicCache):
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            return super().update(key_states.to(kv_dtype).to(key_states.dtype),
-                                  value_states.to(kv_dtype).to(value_states.dtype), layer_idx, *args, **kwargs)
+            return super().update(round_to(key_states, kv_dtype).to(key_states.dtype),
+                                  round_to(value_states, kv_dtype).to(value_states.dtype), layer_idx, *args,
+                                  **kwargs)
 
     return RoundingCache(config=config)
 

@@ -55,9 +55,9 @@ class CacheConfig:
     kv_cache_memory: int | str = option("1GiB", "KV cache size: bytes, or e.g. 2GiB, 512MiB")
     # The dtype the KV cache (device, host and store tiers) holds keys and values in; auto: the model's.
     kv_cache_dtype: str = option("auto", "KV cache dtype; auto: the model's (--dtype). bfloat16 or float16 "
-                                 "under a float32 model hold twice the blocks in the same memory, and outputs "
-                                 "then follow the rounded keys and values",
-                                 choices=("auto", "bfloat16", "float16", "float32"))
+                                 "under a float32 model hold twice the blocks in the same memory, fp8 (e4m3) and "
+                                 "fp8_e5m2 four times, and outputs then follow the rounded keys and values",
+                                 choices=("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"))
     num_blocks: int | None = None  # overrides kv_cache_memory (tests)
     enable_prefix_caching: bool = option(True, "disable automatic prefix caching", flag="--no-prefix-caching")
     hash_algo: str = option("sha256", "block hash function", choices=("sha256", "xxh3_128"))

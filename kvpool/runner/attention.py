@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvpool.runner.dtypes import indexable, round_to
 from kvpool.runner.invariant import MIN_ROWS
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -262,16 +263,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Store the step's K/V (T, kv_heads, head_dim) at their slots (rounded to the caches' dtype)."""
     h, nb, bs, d = k_cache.shape
-    if k.dtype != k_cache.dtype:
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k, v = round_to(k, k_cache.dtype), round_to(v, v_cache.dtype)
     if not k_cache.is_contiguous():
         # Block-major pages (a pool shared with state layers, see kvpool.runner.state_cache).
         blk, off = slot_mapping // bs, slot_mapping % bs
         k_cache.transpose(0, 1)[blk, :, off] = k
         v_cache.transpose(0, 1)[blk, :, off] = v
         return
-    k_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    indexable(k_cache).view(h, nb * bs, d).index_copy_(1, slot_mapping, indexable(k).transpose(0, 1))
+    indexable(v_cache).view(h, nb * bs, d).index_copy_(1, slot_mapping, indexable(v).transpose(0, 1))
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -286,7 +286,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dty
 def as_cached(k: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """A step's own keys (or values) as attention reads them back from `cache`: rounded to its dtype, in
     theirs. A chunk attending to its own keys must see what a later chunk, or a prefix hit, will read."""
-    return k if k.dtype == cache.dtype else k.to(cache.dtype).to(k.dtype)
+    return k if k.dtype == cache.dtype else round_to(k, cache.dtype).to(k.dtype)
 
 
 def _fold(q: torch.Tensor, hkv: int) -> torch.Tensor:

@@ -18,6 +18,13 @@ import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+# What a KV cache may hold besides: vLLM's fp8 names. e4m3 (3 mantissa bits, up to 448) is vLLM's `fp8`;
+# e5m2 (2 bits, fp16's range) is coarser. Both with a scale of 1, as vLLM's default: no calibration pass.
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# KV dtypes whose range is narrower than fp32's: a key or value past it is stored as the largest finite
+# value of its sign (as vLLM's fp8 writes saturate), not as inf or NaN, which would poison every
+# attention row that reads it. bf16 has fp32's range and needs no clamp.
+_SATURATED = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def cpu_has_native_bf16(machine: str | None = None, cpuinfo: str | None = None) -> bool:
@@ -50,6 +57,33 @@ def resolve_dtype(name: str, device: torch.device, field: str = "dtype") -> torc
     if name not in DTYPES:
         raise ValueError(f"{field}: {name!r} is not one of {['auto', *sorted(DTYPES)]}")
     return DTYPES[name]
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a `kv_cache_dtype` name (`auto`: the model's); a ValueError names the field."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {name!r} is not one of {['auto', *sorted(KV_DTYPES)]}")
+    return KV_DTYPES[name]
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded (to nearest even) to `dtype`, saturating where `dtype`'s range ends (see _SATURATED): how
+    every path, the kernels' writes included, stores keys and values in a KV cache of that dtype."""
+    if x.dtype == dtype:
+        return x
+    if dtype in _SATURATED:
+        limit = torch.finfo(dtype).max
+        # (In fp32: bf16 cannot hold fp16's largest value, and would round the bound up past it. NaN stays NaN.)
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
+
+
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or for one-byte float dtypes its uint8 view: torch's CPU `index_copy_` has no fp8 kernel, and a
+    copy of whole elements is the same copy of their bytes."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 @cache

@@ -30,7 +30,7 @@ from kvpool.core.swap import SwapPlan
 from kvpool.runner import kernels
 from kvpool.runner.attention import AttentionMetadata, SeqAttn
 from kvpool.runner.attention_backends import select_backend
-from kvpool.runner.dtypes import resolve_dtype
+from kvpool.runner.dtypes import indexable, resolve_dtype, resolve_kv_dtype
 from kvpool.runner.encoder_cache import EncoderCache
 from kvpool.runner.invariant import make_batch_invariant
 from kvpool.runner.layer_layout import LayerLayout
@@ -145,8 +145,7 @@ class ModelRunner:
         # Keys and values are stored (every tier, the store too) in `kv_dtype`, and attention reads them back
         # as the model's dtype. A step's own keys are rounded the same way before they are attended to, so
         # a token's result does not depend on whether its context was computed in this step or cached.
-        self.kv_dtype = (self.dtype if kv_cache_dtype == "auto"
-                         else resolve_dtype(kv_cache_dtype, self.device, "kv_cache_dtype"))
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         if batch_invariant and self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"batch_invariant: needs dtype float32 or bfloat16, got {dtype!r}")
         t0 = time.perf_counter()
@@ -179,11 +178,11 @@ class ModelRunner:
                         and self.dtype in (torch.float32, torch.bfloat16) and arch.head_dim <= 256
                         and arch.num_heads // arch.num_kv_heads <= 16 and block_size <= 256
                         and kernels.paged_decode_attention() is not None)
-        # The attention kernels read a cache of the queries' dtype, and the fp32 ones (AVX2) 16-bit caches too;
-        # any other KV dtype goes through torch.
+        # The attention kernels read a cache of the queries' dtype, and the fp32 ones (AVX2) 16-bit and fp8
+        # caches too; any other KV dtype goes through torch.
         self.decode_kernel = kernels_here and (
             self.kv_dtype == self.dtype
-            or (self.dtype == torch.float32 and self.kv_dtype in (torch.bfloat16, torch.float16)
+            or (self.dtype == torch.float32 and self.kv_dtype in kernels.NARROW_KV_DTYPES
                 and kernels.prefill_supported(arch.head_dim, block_size, torch.float32)))
         self.prefill_kernel = self.decode_kernel and kernels.prefill_supported(arch.head_dim, block_size, self.dtype)
         # Keys (bf16: and values) stored as the kernels read them, where those kernels read every layer's
@@ -452,15 +451,15 @@ class ModelRunner:
             if dev.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             for (hk, hv), (sk, sv) in zip(self.host_kv_caches, staged, strict=True):
-                hk.index_copy_(1, h_ids, sk)
-                hv.index_copy_(1, h_ids, sv)
+                indexable(hk).index_copy_(1, h_ids, indexable(sk))
+                indexable(hv).index_copy_(1, h_ids, indexable(sv))
         self._copy_pages(plan.typed_out, to_host=True)
         if plan.swap_in:
             h_ids = torch.tensor([h for h, _ in plan.swap_in], dtype=torch.long)
             d_ids = torch.tensor([d for _, d in plan.swap_in], dtype=torch.long, device=dev)
             for (dk, dv), (hk, hv) in zip(self.kv_tensors, self.host_kv_caches, strict=True):
-                dk.index_copy_(1, d_ids, hk.index_select(1, h_ids).to(dev, non_blocking=True))
-                dv.index_copy_(1, d_ids, hv.index_select(1, h_ids).to(dev, non_blocking=True))
+                indexable(dk).index_copy_(1, d_ids, indexable(hk).index_select(1, h_ids).to(dev, non_blocking=True))
+                indexable(dv).index_copy_(1, d_ids, indexable(hv).index_select(1, h_ids).to(dev, non_blocking=True))
         self._copy_pages(plan.typed_in, to_host=False)
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the forward must see the copies

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvpool.runner.dtypes import indexable
 from kvpool.store.base import Fingerprint, model_identity
 
 Caches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -77,8 +78,8 @@ def scatter(caches: Caches, block_ids: Sequence[int], payloads: Sequence[bytes])
     blocks = data.reshape(len(block_ids), len(caches), 2, heads, block, dim)
     idx = torch.tensor(list(block_ids), dtype=torch.long)
     for layer, (k, v) in enumerate(caches):
-        k.index_copy_(1, idx, blocks[:, layer, 0].permute(1, 0, 2, 3))
-        v.index_copy_(1, idx, blocks[:, layer, 1].permute(1, 0, 2, 3))
+        indexable(k).index_copy_(1, idx, indexable(blocks[:, layer, 0].permute(1, 0, 2, 3)))
+        indexable(v).index_copy_(1, idx, indexable(blocks[:, layer, 1].permute(1, 0, 2, 3)))
 
 
 def fingerprint(model_dir: str | Path, caches: Caches, block_size: int, group: int = 0, *,

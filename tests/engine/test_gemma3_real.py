@@ -62,7 +62,9 @@ def test_tokens_do_not_depend_on_allocator_caching_chunking_or_preemption(gemma_
     # On the kernels every attention row of Gemma-3 (head_dim 256) goes through the prefill kernel, prompt
     # chunks and decode rows alike, whose arithmetic per row does not depend on the batch. So the hybrid and
     # the uniform allocator, prefix caching on and off, another chunk size and a pool small enough to
-    # preempt (decoded tokens recomputed in a prompt chunk) all give the same tokens.
+    # preempt (decoded tokens recomputed in a prompt chunk) all give the same tokens. (The uniform allocator
+    # runs without caching and in chunks of 64: three changes in one run, each a difference from the base,
+    # to keep the suite's time; a fault in one that another exactly undid is not a plausible escape.)
     docs = [" ".join(f"Item {i} weighs {(i * 37) % 100} grams." for i in range(60)),
             " ".join(f"City {i} has {(i * 53) % 1000} trees." for i in range(55))]
     if not kernels.prefill_supported(256, 16, getattr(torch, dtype)):
@@ -77,8 +79,9 @@ def test_tokens_do_not_depend_on_allocator_caching_chunking_or_preemption(gemma_
     sp = SamplingParams.greedy(40)
     want = [o.token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
     settings = {
-        "uniform allocator": dict(hybrid_allocator=False, num_blocks=300),
-        "no prefix caching, chunks of 64": dict(enable_prefix_caching=False, max_num_batched_tokens=64),
+        "uniform allocator, no prefix caching, chunks of 64": dict(hybrid_allocator=False, num_blocks=300,
+                                                                   enable_prefix_caching=False,
+                                                                   max_num_batched_tokens=64),
         "a pool that preempts": dict(num_blocks=250, max_num_batched_tokens=64),
     }
     for name, setting in settings.items():

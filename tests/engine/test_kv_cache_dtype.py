@@ -1,9 +1,10 @@
-"""`kv_cache_dtype`: keys and values stored in bf16 (or fp16) under an fp32 model, twice the blocks in the
-same memory. Greedy tokens equal transformers' with its cache rounding every key and value to the same
-dtype (and differ from plain fp32's on these prompts, so the comparison can fail), with prefix caching on
-and off, chunked prefill, hits served by the host tier, preemption, a sliding-window model and the store
-tier, on the torch path and on kvpool's fp32 CPU kernels (which read 16-bit pages); blocks stored under
-another KV dtype are never read; models whose KV pages share bytes with state layers refuse it by name."""
+"""`kv_cache_dtype`: keys and values stored in bf16 or fp16 under an fp32 model, twice the blocks in the
+same memory (fp8, e4m3 or e5m2: four times). Greedy tokens equal transformers' with its cache rounding
+every key and value to the same dtype (and, but for fp16's, differ from plain fp32's on these prompts, so
+the comparison can fail), with prefix caching on and off, chunked prefill, hits served by the host tier,
+preemption, a sliding-window model and the store tier, on the torch path and on kvpool's fp32 CPU kernels
+(which read 16-bit and fp8 pages); blocks stored under another KV dtype are never read; models whose KV
+pages share bytes with state layers refuse it by name."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ PREFIX = [_rng.randrange(TINY_VOCAB) for _ in range(37)]
 # Three prompts over one shared prefix (the later ones hit it), two unrelated ones.
 PROMPTS = [PREFIX + [_rng.randrange(TINY_VOCAB) for _ in range(n)] for n in (5, 11, 2)] + \
     [[_rng.randrange(TINY_VOCAB) for _ in range(n)] for n in (9, 50)]
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,9 @@ def generate(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
 def test_tokens_equal_transformers_rounding_its_cache(tiny_llama_dir: Path, refs: dict[str, list[list[int]]],
                                                       kv_dtype: str) -> None:
-    # bf16's rounding changes some tokens of these prompts: an engine that ignored it would fail below
-    # (fp16 keeps 10 mantissa bits to bf16's 7, and changes none of them here).
-    assert (refs[kv_dtype] != refs["float32"]) == (kv_dtype == "bfloat16")
+    # bf16's and fp8's rounding change some tokens of these prompts: an engine that ignored it would fail
+    # below (fp16 keeps 10 mantissa bits to bf16's 7, and changes none of them here).
+    assert (refs[kv_dtype] != refs["float32"]) == (kv_dtype != "float16")
     llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=kv_dtype, skip_tokenizer_init=True,
               block_size=BS, num_blocks=128)
     assert llm.engine.runner.kv_tensors[0][0].dtype == KV_DTYPES[kv_dtype]
@@ -100,27 +102,33 @@ def test_tokens_do_not_depend_on_caching_chunking_tiers_or_preemption(
         assert llm.engine.scheduler.stats.num_preemptions > 0
 
 
-def test_fp16_pages_on_the_kernels(kernel_llama: tuple[Path, list[list[int]]]) -> None:
-    """fp16 pages through the same kernels (F16C widening), chunked and with prefix hits."""
+@pytest.mark.parametrize("kv_dtype", ["float16", "fp8", "fp8_e5m2"])
+def test_fp16_and_fp8_pages_on_the_kernels(kernel_llama: tuple[Path, list[list[int]]], kv_dtype: str) -> None:
+    """fp16 and fp8 pages through the same kernels (widened through F16C), chunked, with prefix hits that
+    come back from the host tier."""
     if not kernels.prefill_supported(64, 8, torch.float32):
         pytest.skip("this CPU lacks what kvpool's fp32 attention kernels need (AVX2 and FMA)")
     path = kernel_llama[0]
-    want = hf_greedy(path, PROMPTS, N_OUT, kv_dtype=torch.float16)
-    llm = LLM(str(path), dtype="float32", kv_cache_dtype="float16", skip_tokenizer_init=True, block_size=8,
-              num_blocks=64, max_num_batched_tokens=8)
-    assert llm.engine.runner.decode_kernel and llm.engine.runner.kv_tensors[0][0].dtype == torch.float16
+    want = hf_greedy(path, PROMPTS, N_OUT, kv_dtype=KV_DTYPES[kv_dtype])
+    llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv_dtype, skip_tokenizer_init=True, block_size=8,
+              num_blocks=14, num_host_blocks=40, max_num_batched_tokens=8)
+    runner = llm.engine.runner
+    assert runner.decode_kernel and runner.kv_tensors[0][0].dtype == runner.host_kv_caches[0][0].dtype == \
+        KV_DTYPES[kv_dtype]
     assert generate(llm) == want
+    assert llm.engine.kv.stats.host_hits > 0
 
 
-def test_twice_the_blocks_in_the_same_memory(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize(("kv_dtype", "times"), [("bfloat16", 2), ("fp8", 4), ("fp8_e5m2", 4)])
+def test_more_blocks_in_the_same_memory(tiny_llama_dir: Path, kv_dtype: str, times: int) -> None:
     def runner(kv_dtype: str) -> object:
         return LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=kv_dtype, skip_tokenizer_init=True,
                    block_size=BS, kv_cache_memory="1MiB", swap_space="1MiB").engine.runner
 
-    fp32, bf16 = runner("auto"), runner("bfloat16")
-    assert bf16.bytes_per_block * 2 == fp32.bytes_per_block  # type: ignore[attr-defined]
-    assert bf16.num_blocks == 2 * fp32.num_blocks == 2 * (1 << 20) // fp32.bytes_per_block  # type: ignore[attr-defined]
-    assert bf16.host_kv_caches[0][0].shape[1] == 2 * fp32.host_kv_caches[0][0].shape[1]  # type: ignore[attr-defined]
+    fp32, narrow = runner("auto"), runner(kv_dtype)
+    assert narrow.bytes_per_block * times == fp32.bytes_per_block  # type: ignore[attr-defined]
+    assert narrow.num_blocks == times * fp32.num_blocks == times * (1 << 20) // fp32.bytes_per_block  # type: ignore[attr-defined]
+    assert narrow.host_kv_caches[0][0].shape[1] == times * fp32.host_kv_caches[0][0].shape[1]  # type: ignore[attr-defined]
 
 
 def test_sliding_window_model(tmp_path: Path) -> None:
@@ -141,8 +149,9 @@ def test_models_with_state_layers_refuse_it(tmp_path: Path) -> None:
 
 
 def test_an_unknown_kv_cache_dtype_is_named(tiny_llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype: 'fp8' is not one of"):
-        LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", skip_tokenizer_init=True, num_blocks=16)
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: 'int8' is not one of \['auto', 'bf16', 'bfloat16', "
+                                         r"'float16', 'float32', 'fp16', 'fp32', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\]"):
+        LLM(str(tiny_llama_dir), kv_cache_dtype="int8", skip_tokenizer_init=True, num_blocks=16)
 
 
 def test_the_store_keeps_kv_dtypes_apart(tiny_llama_dir: Path, tmp_path: Path,
@@ -171,14 +180,16 @@ def test_the_store_keeps_kv_dtypes_apart(tiny_llama_dir: Path, tmp_path: Path,
     assert outs[4].num_cached_tokens == (50 - 1) // BS * BS  # the unrelated 50-token prompt, from the store
 
 
-def test_smollm2_with_a_bf16_cache_equals_transformers_rounding_its_cache(smol_dir: Path) -> None:
-    """The real model, on the packed fp32 kernels where this CPU runs them, half its KV cache's bytes."""
-    llm = LLM(str(smol_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="64MiB")
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])
+def test_smollm2_with_a_narrow_cache_equals_transformers_rounding_its_cache(smol_dir: Path, kv_dtype: str) -> None:
+    """The real model, on the packed fp32 kernels where this CPU runs them, half (fp8: a quarter of) its KV
+    cache's bytes."""
+    llm = LLM(str(smol_dir), dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_memory="64MiB")
     prompts = [llm.tokenizer.encode("def fibonacci(n):"),
                llm.engine.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])]
-    want = hf_greedy(smol_dir, prompts, 16, kv_dtype=torch.bfloat16)
+    want = hf_greedy(smol_dir, prompts, 16, kv_dtype=KV_DTYPES[kv_dtype])
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(16), use_tqdm=False)] == want
     runner = llm.engine.runner
-    assert runner.kv_tensors[0][0].dtype == torch.bfloat16
+    assert runner.kv_tensors[0][0].dtype == KV_DTYPES[kv_dtype]
     if kernels.prefill_supported(64, 16, torch.float32):
         assert runner.decode_kernel and runner.prefill_kernel and runner.kv_layout == "packed8"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpool.runner import kernels
+from kvpool.runner.dtypes import indexable, round_to
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +154,11 @@ def test_fp32_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="packed caches must have each block's tokens contiguous"):
         op(q, kc.transpose(0, 1).contiguous().transpose(0, 1), vc.transpose(0, 1).contiguous().transpose(0, 1),
            starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q), True)
-    # 16-bit caches are read under fp32 queries (a 16-bit KV cache); float64 ones, or two dtypes, are not.
+    # 16-bit and fp8 caches are read under fp32 queries (a narrower KV cache); float64 ones, or two dtypes,
+    # are not.
     for k, v in ((kc.double(), vc.double()), (kc.bfloat16(), vc)):
         with pytest.raises(RuntimeError, match=r"k_cache and v_cache must share one Float \(or, under float32 "
-                                               r"queries, bfloat16 or float16\)"):
+                                               r"queries, bfloat16, float16 or fp8\)"):
             op(q, k, v, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
         op(q, kc, vc, starts, lens, ctx, torch.tensor([[int(tables[0, 0]), 99]]), 0, 1.0, torch.empty_like(q))
@@ -306,11 +308,15 @@ def test_write_kv_packed_is_the_packed_layout_of_write_kv(dtype) -> None:
     assert torch.equal(pk, want_k) and torch.equal(pv, want_v)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
-def test_fp32_queries_over_16_bit_caches_are_the_fp32_kernel_over_the_widened_caches(kv_dtype) -> None:
-    """A 16-bit KV cache under an fp32 model (`kv_cache_dtype`): every load widens 8 elements to fp32
-    exactly, so the outputs are bit for bit those of fp32 caches holding the same (rounded) values, for
-    prompt chunks (with and without a window) and grouped decode rows, standard and packed layouts."""
+NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", NARROW)
+def test_fp32_queries_over_narrow_caches_are_the_fp32_kernel_over_the_widened_caches(kv_dtype) -> None:
+    """A 16-bit or fp8 KV cache under an fp32 model (`kv_cache_dtype`): every load widens 8 elements to fp32
+    exactly (e4m3's subnormals among them: 1% of normal draws fall below 2^-6), so the outputs are bit for
+    bit those of fp32 caches holding the same (rounded) values, for prompt chunks (with and without a
+    window) and grouped decode rows, standard and packed layouts."""
     if not kernels.prefill_supported(64, 16, torch.float32):
         pytest.skip("this CPU lacks what the fp32 prefill kernel needs")
     q, kc, vc, tables, lens, starts, shared = grouped_scenario(
@@ -334,25 +340,33 @@ def test_fp32_queries_over_16_bit_caches_are_the_fp32_kernel_over_the_widened_ca
             assert not got.isnan().any() and torch.equal(got, want), (name, window)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
-def test_write_kv_rounds_fp32_into_16_bit_caches_as_torch_does(kv_dtype) -> None:
+@pytest.mark.parametrize("kv_dtype", NARROW)
+def test_write_kv_rounds_fp32_into_narrow_caches_as_round_to_does(kv_dtype) -> None:
+    """As torch's `.to()` rounds, past the dtype's range saturated (`round_to`): bit for bit, subnormals,
+    ties and values past fp8's and fp16's largest included."""
     assert kernels.fused_ops() is not None, "the kernels must build on this machine"
     g = torch.Generator().manual_seed(7)
     kv_heads, nb, bs, dim, t = 3, 5, 16, 64, 40
-    k = torch.randn(t, kv_heads, dim, generator=g)
-    v = torch.randn(t, 2 * kv_heads, dim, generator=g)[:, ::2]  # strided heads
+    # Rows of every scale: fp16's and fp8's subnormals (1e-4 .. 1e-7) up to past fp16's range (1e5).
+    scale = 10.0 ** torch.arange(-7, 6).repeat(4)[:t]
+    k = torch.randn(t, kv_heads, dim, generator=g) * scale[:, None, None]
+    v = (torch.randn(t, 2 * kv_heads, dim, generator=g) * scale[:, None, None])[:, ::2]  # strided heads
+    k[0, 0, :4] = torch.tensor([448.0, 464.0, 57344.0, 61440.0])  # e4m3's largest, a tie past it; e5m2's
     slots = torch.randperm(nb * bs, generator=g)[:t]
     kc = torch.zeros(kv_heads, nb, bs, dim, dtype=kv_dtype)
     vc = torch.zeros_like(kc)
     torch.ops.kvpool.write_kv(k, v, kc, vc, slots)
     kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
-    kr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, k.transpose(0, 1).to(kv_dtype))
-    vr.view(kv_heads, nb * bs, dim).index_copy_(1, slots, v.transpose(0, 1).to(kv_dtype))
-    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    for ref, x in ((kr, k), (vr, v)):
+        rounded = indexable(round_to(x, kv_dtype)).transpose(0, 1)
+        indexable(ref).view(kv_heads, nb * bs, dim).index_copy_(1, slots, rounded)
+    assert torch.isfinite(kr.float()).all() and torch.isfinite(vr.float()).all()  # (saturated, never inf)
+    assert torch.equal(indexable(kc), indexable(kr))
+    assert torch.equal(indexable(vc), indexable(vr))
     pk, pv = (torch.zeros_like(kc), torch.zeros_like(vc))
     torch.ops.kvpool.write_kv_packed(k, v, pk, pv, slots)
     want_k, want_v = kernels.packed_layout(kr, vr, "packed8")
-    assert torch.equal(pk, want_k) and torch.equal(pv, want_v)
-    with pytest.raises(RuntimeError, match=r"must share one dtype \(or be float32 into bfloat16 or float16 "
-                                           r"caches\)"):
+    assert torch.equal(indexable(pk), indexable(want_k)) and torch.equal(indexable(pv), indexable(want_v))
+    with pytest.raises(RuntimeError, match=r"must share one dtype \(or be float32 into bfloat16, float16 or "
+                                           r"fp8 caches\)"):
         torch.ops.kvpool.write_kv(k.to(torch.bfloat16), v.to(torch.bfloat16), kc.float(), vc.float(), slots)

@@ -1,7 +1,10 @@
 // Helpers shared by kvpool's CPU kernels: bf16 conversion and an exp the compiler can vectorize.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -32,8 +35,41 @@ void decode_group_f32(const float* q, float* out, const float* k_cache, const fl
 
 // Prompt attention in fp32 (prefill_f32.cpp), run by paged_prefill_attention (prefill_attention.cpp) after
 // its checks. q and out: (rows, heads, dim); k and v: one layer's (kv_heads, blocks, block_size, dim) pages,
-// of fp32 or (a 16-bit KV cache under an fp32 model) bf16 or fp16 elements, widened to fp32 as they are loaded.
-enum class KvElem : int8_t { kFloat, kBFloat16, kHalf };
+// of fp32 or (a narrower KV cache under an fp32 model) bf16, fp16 or fp8 elements, widened to fp32 as they are
+// loaded.
+enum class KvElem : int8_t { kFloat, kBFloat16, kHalf, kFloat8E4M3, kFloat8E5M2 };
+
+// Whether an fp32 model's KV cache may hold `t` (kv_cache_dtype: the fp32 kernels read and write it).
+inline bool narrow_kv(c10::ScalarType t) {
+  return t == c10::kBFloat16 || t == c10::kHalf || t == c10::kFloat8_e4m3fn || t == c10::kFloat8_e5m2;
+}
+
+inline KvElem kv_elem_of(c10::ScalarType t) {
+  switch (t) {
+    case c10::kBFloat16: return KvElem::kBFloat16;
+    case c10::kHalf: return KvElem::kHalf;
+    case c10::kFloat8_e4m3fn: return KvElem::kFloat8E4M3;
+    case c10::kFloat8_e5m2: return KvElem::kFloat8E5M2;
+    default: return KvElem::kFloat;
+  }
+}
+
+// fn(ElemOf<C>{}) for the element type C that `e` names (C++17 lambdas: `[&](auto t) { using C = typename
+// decltype(t)::type; ... }`): the one switch of every op that reads or writes a narrowed cache.
+template <typename C>
+struct ElemOf {
+  using type = C;
+};
+template <typename Fn>
+decltype(auto) with_kv_elem(KvElem e, Fn&& fn) {
+  switch (e) {
+    case KvElem::kBFloat16: return fn(ElemOf<c10::BFloat16>{});
+    case KvElem::kHalf: return fn(ElemOf<c10::Half>{});
+    case KvElem::kFloat8E4M3: return fn(ElemOf<c10::Float8_e4m3fn>{});
+    case KvElem::kFloat8E5M2: return fn(ElemOf<c10::Float8_e5m2>{});
+    default: return fn(ElemOf<float>{});
+  }
+}
 
 struct PagedF32 {
   const float* q;
@@ -47,7 +83,8 @@ struct PagedF32 {
 
   // Offset of query head g of kv head h in row `row` of q and out.
   int64_t at(int64_t row, int64_t h, int64_t g) const { return (row * heads + h * group + g) * dim; }
-  // kv head h's keys and values, as elements of type C (the pages' own: float, c10::BFloat16 or c10::Half).
+  // kv head h's keys and values, as elements of type C (the pages' own: float, c10::BFloat16, c10::Half or
+  // an fp8 type).
   template <typename C>
   const C* keys(int64_t h) const { return static_cast<const C*>(k) + h * s_head; }
   template <typename C>

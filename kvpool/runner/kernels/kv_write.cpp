@@ -5,18 +5,23 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "common.h"
 
 namespace {
 
+using kvpool_kernels::kv_elem_of;
+using kvpool_kernels::narrow_kv;
+using kvpool_kernels::with_kv_elem;
+
 // The checks both writes make. k, v: (T, kv_heads, D), D contiguous, any token and head strides (views of
 // the fused qkv projection); k_cache, v_cache: contiguous (kv_heads, blocks, block_size, D) of the same
-// dtype (or bf16 or fp16 caches of fp32 keys and values: a 16-bit KV cache under an fp32 model, rounded to
-// nearest even as torch's `.to()` rounds); slots: (T,) int64, token t goes to block slots[t] /
+// dtype (or bf16, fp16 or fp8 caches of fp32 keys and values: a narrower KV cache under an fp32 model,
+// rounded by to_cache); slots: (T,) int64, token t goes to block slots[t] /
 // block_size, offset slots[t] % block_size. Slots must be distinct.
 void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& slots) {
@@ -24,11 +29,10 @@ void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
               "k and v must be (T, kv_heads, head_dim) tensors with head_dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be contiguous (kv_heads, blocks, block_size, head_dim)");
-  const bool narrowed = k.scalar_type() == at::kFloat &&
-                        (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+  const bool narrowed = k.scalar_type() == at::kFloat && narrow_kv(k_cache.scalar_type());
   TORCH_CHECK((k.scalar_type() == k_cache.scalar_type() || narrowed) && v.scalar_type() == k.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "k, v and the caches must share one dtype (or be float32 into bfloat16 or float16 caches)");
+              "k, v and the caches must share one dtype (or be float32 into bfloat16, float16 or fp8 caches)");
   TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
               "slots must be a contiguous int64 (T,) tensor");
@@ -39,14 +43,27 @@ void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
   }
 }
 
+// x as a cache element of type C: rounded to nearest even as torch's `.to()` rounds, and for fp16 and fp8
+// clamped to their largest finite value first (kvpool.runner.dtypes.round_to: a number past the range is
+// stored saturated, never as inf or NaN; NaN fails both comparisons and stays NaN).
+template <typename C>
+inline C to_cache(float x) {
+  if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
+    return static_cast<C>(x);
+  } else {
+    const float top = static_cast<float>(std::numeric_limits<C>::max());
+    return static_cast<C>(x > top ? top : x < -top ? -top : x);
+  }
+}
+
 // One token's head_dim elements, converted to the cache's element type.
 template <typename C>
 inline void put(C* dst, const float* src, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<C>(src[d]);  // 16-bit: round to nearest even
+  for (int64_t d = 0; d < dim; ++d) dst[d] = to_cache<C>(src[d]);
 }
 
-// fp32 keys and values into caches of C elements (fp32, or bf16 or fp16 under an fp32 model), rounded as
-// torch's `.to()` rounds. `packed`: as prefill_f32.cpp reads them, within a block every 8 tokens' keys form a
+// fp32 keys and values into caches of C elements (fp32, or bf16, fp16 or fp8 under an fp32 model), rounded
+// as to_cache rounds. `packed`: as prefill_f32.cpp reads them, within a block every 8 tokens' keys form a
 // tile of [head_dim][8] (key t's element d at [d][t], what the kernel's transposes made at every read);
 // values stay in rows, which it reads in place. Else keys in rows too (standard layout).
 template <typename C>
@@ -66,7 +83,7 @@ void write_kv_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
         const float* ks = kp + t * k.stride(0) + h * k.stride(1);
         if (packed) {
           C* kt = kc + h * head_stride + tile * 8 * dim;
-          for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = static_cast<C>(ks[d]);
+          for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = to_cache<C>(ks[d]);
         } else {
           put(kc + h * head_stride + sp[t] * dim, ks, dim);
         }
@@ -79,13 +96,9 @@ void write_kv_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
 // write_kv_f32 for the caches' element type.
 void write_kv_from_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slots, bool packed) {
-  if (k_cache.scalar_type() == at::kFloat) {
-    write_kv_f32<float>(k, v, k_cache, v_cache, slots, packed);
-  } else if (k_cache.scalar_type() == at::kBFloat16) {
-    write_kv_f32<c10::BFloat16>(k, v, k_cache, v_cache, slots, packed);
-  } else {
-    write_kv_f32<c10::Half>(k, v, k_cache, v_cache, slots, packed);
-  }
+  with_kv_elem(kv_elem_of(k_cache.scalar_type()), [&](auto t) {
+    write_kv_f32<typename decltype(t)::type>(k, v, k_cache, v_cache, slots, packed);
+  });
 }
 
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {

@@ -490,18 +490,18 @@ void run_tasks(std::vector<Task>& tasks, const Fn& fn) {
 }
 
 // The checks every op here makes of q, out and the caches, q in `dtype` (bf16; fp32 for grouped decode rows)
-// and the caches in `dtype` too, or in bf16 or fp16 under fp32 queries (a 16-bit KV cache of an fp32 model).
+// and the caches in `dtype` too, or in bf16, fp16 or fp8 under fp32 queries (a narrower KV cache of an fp32 model).
 void check_paged_layout(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, at::ScalarType dtype, int64_t max_group, bool packed) {
   const at::ScalarType kc = k_cache.scalar_type();
-  const at::ScalarType kv = dtype == at::kFloat && (kc == at::kBFloat16 || kc == at::kHalf) ? kc : dtype;
+  const at::ScalarType kv = dtype == at::kFloat && narrow_kv(kc) ? kc : dtype;
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == dtype, "q must be a contiguous ", dtype,
               " (rows, heads, head_dim) tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous and shaped and typed like q");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.scalar_type() == kv && v_cache.scalar_type() == kv,
-              "k_cache and v_cache must share one ", dtype, " (or, under float32 queries, bfloat16 or float16) "
+              "k_cache and v_cache must share one ", dtype, " (or, under float32 queries, bfloat16, float16 or fp8) "
               "(kv_heads, blocks, block_size, head_dim) layout");
   TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
@@ -528,7 +528,7 @@ void check_paged_f32(const at::Tensor& q, const at::Tensor& out, const at::Tenso
               "packed: float32 caches in the packed layout need AVX2 and FMA, head_dim 64, 128 or 256 and block_size "
               "a multiple of 8");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat || prefill_f32_supported(q.size(2), k_cache.size(2)),
-              "16-bit caches under float32 queries need AVX2 and FMA, head_dim 64, 128 or 256 and block_size a "
+              "16-bit and fp8 caches under float32 queries need AVX2 and FMA, head_dim 64, 128 or 256 and block_size a "
               "multiple of 8");
 }
 
@@ -538,9 +538,7 @@ PagedF32 paged_f32(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
   return {q.const_data_ptr<float>(), out.mutable_data_ptr<float>(), k_cache.const_data_ptr(),
           v_cache.const_data_ptr(), q.size(1), q.size(1) / k_cache.size(0), q.size(2), k_cache.stride(0),
           k_cache.stride(1), k_cache.stride(2), k_cache.size(2), static_cast<float>(scale), packed,
-          k_cache.scalar_type() == at::kBFloat16 ? KvElem::kBFloat16
-          : k_cache.scalar_type() == at::kHalf   ? KvElem::kHalf
-                                                 : KvElem::kFloat};
+          kv_elem_of(k_cache.scalar_type())};
 }
 
 // q: (T, heads, D) bf16 (or fp32 where prefill_f32_supported: prefill_f32.cpp); k_cache, v_cache:

@@ -18,10 +18,10 @@
 // key a row does not see changes nothing (weight exactly 0, never a rescale). That is what keeps fp32
 // tokens identical with prefix caching on or off and at any chunk size, as the bf16 kernel's are.
 //
-// The pages may hold bf16 or fp16 keys and values instead (`kv_cache_dtype` under an fp32 model): every
-// load then widens 8 of them to fp32 exactly (a bf16 is the top half of an fp32; fp16 through F16C), and the
-// arithmetic is the same; the queries, sums and outputs stay fp32. Half the bytes per key is what a decode
-// step streams.
+// The pages may hold bf16, fp16 or fp8 keys and values instead (`kv_cache_dtype` under an fp32 model): every
+// load then widens 8 of them to fp32 exactly (a bf16 is the top half of an fp32; fp16 through F16C, fp8
+// through fp16), and the arithmetic is the same; the queries, sums and outputs stay fp32. Half (a quarter)
+// of the bytes per key is what a decode step streams.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -86,13 +86,39 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+template <typename C>
+inline __m256 load8_scalar(const C* p) {
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+}
 inline __m256 load8(const c10::Half* p) {
 #ifdef __F16C__
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  alignas(32) float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
-  return _mm256_load_ps(f);
+  return load8_scalar(p);
+#endif
+}
+// fp8 e5m2 is the top byte of an fp16: each byte becomes the high half of a 16-bit lane, then F16C widens it.
+inline __m256 load8(const c10::Float8_e5m2* p) {
+#ifdef __F16C__
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+#else
+  return load8_scalar(p);
+#endif
+}
+// fp8 e4m3: its exponent and mantissa bits shifted into an fp16's places read as the value times 2^-8 (fp16's
+// exponent bias is 15, e4m3's 7), subnormals included (they are fp16 subnormals there too); times 256 is
+// exact. (0x7f, e4m3fn's NaN, would read as 480; kvpool's saturating writes never store it from a number.)
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+#ifdef __F16C__
+  const __m128i w = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
+  const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.0f));
+#else
+  return load8_scalar(p);
 #endif
 }
 
@@ -410,11 +436,9 @@ void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start,
                       int64_t h, int64_t first, int64_t count, int64_t window) {
 #ifdef KVPOOL_AVX2_F32
   const int64_t pos0 = ctx - q_len + first;  // position of the task's first query
-  switch (pg.kv_elem) {
-    case KvElem::kBFloat16: return by_dim<PromptTask, c10::BFloat16>(pg.dim)(pg, table, q_start, pos0, h, first, count, window);
-    case KvElem::kHalf: return by_dim<PromptTask, c10::Half>(pg.dim)(pg, table, q_start, pos0, h, first, count, window);
-    case KvElem::kFloat: return by_dim<PromptTask, float>(pg.dim)(pg, table, q_start, pos0, h, first, count, window);
-  }
+  with_kv_elem(pg.kv_elem, [&](auto t) {
+    by_dim<PromptTask, typename decltype(t)::type>(pg.dim)(pg, table, q_start, pos0, h, first, count, window);
+  });
 #else
   (void)pg, (void)table, (void)q_start, (void)q_len, (void)ctx, (void)h, (void)first, (void)count, (void)window;
 #endif
@@ -423,11 +447,9 @@ void prefill_f32_task(const PagedF32& pg, const int64_t* table, int64_t q_start,
 void decode_group_f32_rows(const PagedF32& pg, const int64_t* tables, int64_t width, const int64_t* lens,
                            const int64_t* row_of, int64_t h, int64_t first, int64_t count, int64_t shared) {
 #ifdef KVPOOL_AVX2_F32
-  switch (pg.kv_elem) {
-    case KvElem::kBFloat16: return by_dim<DecodeTask, c10::BFloat16>(pg.dim)(pg, tables, width, lens, row_of, h, first, count, shared);
-    case KvElem::kHalf: return by_dim<DecodeTask, c10::Half>(pg.dim)(pg, tables, width, lens, row_of, h, first, count, shared);
-    case KvElem::kFloat: return by_dim<DecodeTask, float>(pg.dim)(pg, tables, width, lens, row_of, h, first, count, shared);
-  }
+  with_kv_elem(pg.kv_elem, [&](auto t) {
+    by_dim<DecodeTask, typename decltype(t)::type>(pg.dim)(pg, tables, width, lens, row_of, h, first, count, shared);
+  });
 #else
   (void)pg, (void)tables, (void)width, (void)lens, (void)row_of, (void)h, (void)first, (void)count, (void)shared;
 #endif
