@@ -206,7 +206,7 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
             return denied
         return JSONResponse({"object": "list", "data": [p.json() for p in live().values()]})
 
-    @app.delete("/v1/pins/{pin_id}")
+    @app.delete("/v1/pins/{pin_id:path}")  # (any id, "/" included, gets a 404 body, not a redirect)
     async def unpin(pin_id: str, request: Request) -> Response:
         denied = await refused(request)
         if denied is not None:

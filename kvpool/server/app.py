@@ -286,7 +286,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         pins = await engine.call(lambda e: e.list_pins())
         return JSONResponse({"object": "list", "data": [pin_json(p) for p in pins]})
 
-    @app.delete("/v1/pins/{pin_id}")
+    @app.delete("/v1/pins/{pin_id:path}")  # (any id, "/" included, gets a 404 body, not a redirect)
     async def unpin(pin_id: str, request: Request) -> JSONResponse:
         authorize(request)
         if not await engine.call(lambda e: e.unpin(pin_id)):

@@ -49,6 +49,10 @@ def test_pin_lifecycle(pinned_server: ServerHandle) -> None:
     assert httpx.delete(f"{url}/v1/pins/{pin['id']}").status_code == 401
     assert httpx.delete(f"{url}/v1/pins/{pin['id']}", headers=KEY).json()["deleted"] is True
     assert httpx.delete(f"{url}/v1/pins/{pin['id']}", headers=KEY).status_code == 404
+    # Ids no pin has, a slash among them, get the same 404 body (not a redirect to another path).
+    for pid in ("%2F", "a/b", "%20"):
+        r = httpx.delete(f"{url}/v1/pins/{pid}", headers=KEY)
+        assert r.status_code == 404 and r.json()["error"]["message"].startswith("pin: no pin "), pid
     assert metric(url, "kvpool:pinned_blocks") == 0
     # Usage as of now: the unpin ran no step, and the pinned blocks are free again.
     assert metric(url, "kvpool:kv_cache_usage_perc") == 0
