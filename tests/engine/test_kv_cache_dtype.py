@@ -154,12 +154,13 @@ def test_an_unknown_kv_cache_dtype_is_named(tiny_llama_dir: Path) -> None:
         LLM(str(tiny_llama_dir), kv_cache_dtype="int8", skip_tokenizer_init=True, num_blocks=16)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])
 def test_the_store_keeps_kv_dtypes_apart(tiny_llama_dir: Path, tmp_path: Path,
-                                         refs: dict[str, list[list[int]]]) -> None:
-    """bf16 blocks in a store are hit by a bf16 replica that starts empty, and never read by an fp32 one
-    (the store's fingerprint names the KV dtype): each gets its own reference's tokens."""
-    def replica(kv_dtype: str) -> LLM:
-        return LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=kv_dtype, skip_tokenizer_init=True,
+                                         refs: dict[str, list[list[int]]], kv_dtype: str) -> None:
+    """bf16 (fp8) blocks in a store are hit by a replica of that KV dtype that starts empty, and never read
+    by an fp32 one (the store's fingerprint names the KV dtype): each gets its own reference's tokens."""
+    def replica(name: str) -> LLM:
+        return LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=name, skip_tokenizer_init=True,
                    block_size=BS, num_blocks=64, num_host_blocks=64, write_through=True,
                    kv_store=f"file://{tmp_path}")
 
@@ -168,15 +169,15 @@ def test_the_store_keeps_kv_dtypes_apart(tiny_llama_dir: Path, tmp_path: Path,
         llm.engine.store.close()  # flushes the writes
         return outs
 
-    assert [o.token_ids for o in run(replica("bfloat16"))] == refs["bfloat16"]
+    assert [o.token_ids for o in run(replica(kv_dtype))] == refs[kv_dtype]
     fp32 = replica("auto")
     outs = run(fp32)
     assert [o.token_ids for o in outs] == refs["float32"]
     assert fp32.engine.store.tier.blocks_landed == 0
-    bf16 = replica("bfloat16")
-    outs = run(bf16)
-    assert [o.token_ids for o in outs] == refs["bfloat16"]
-    assert bf16.engine.store.tier.blocks_landed > 0
+    narrow = replica(kv_dtype)
+    outs = run(narrow)
+    assert [o.token_ids for o in outs] == refs[kv_dtype]
+    assert narrow.engine.store.tier.blocks_landed > 0
     assert outs[4].num_cached_tokens == (50 - 1) // BS * BS  # the unrelated 50-token prompt, from the store
 
 

@@ -110,13 +110,14 @@ inline __m256 load8(const c10::Float8_e5m2* p) {
 }
 // fp8 e4m3: its exponent and mantissa bits shifted into an fp16's places read as the value times 2^-8 (fp16's
 // exponent bias is 15, e4m3's 7), subnormals included (they are fp16 subnormals there too); times 256 is
-// exact. (0x7f, e4m3fn's NaN, would read as 480; kvpool's saturating writes never store it from a number.)
+// exact. The shift is one arithmetic shift of the byte at the top of its 16-bit lane, which copies the sign
+// into bit 14 as well; the mask clears that copy. (0x7f, e4m3fn's NaN, would read as 480; kvpool's
+// saturating writes never store it from a number.)
 inline __m256 load8(const c10::Float8_e4m3fn* p) {
 #ifdef __F16C__
-  const __m128i w = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
-  const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
-  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.0f));
+  const __m128i top = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_and_si128(_mm_srai_epi16(top, 1), _mm_set1_epi16(static_cast<int16_t>(0xbfff)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
 #else
   return load8_scalar(p);
 #endif
