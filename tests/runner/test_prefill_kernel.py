@@ -352,6 +352,8 @@ def test_write_kv_rounds_fp32_into_narrow_caches_as_round_to_does(kv_dtype) -> N
     k = torch.randn(t, kv_heads, dim, generator=g) * scale[:, None, None]
     v = (torch.randn(t, 2 * kv_heads, dim, generator=g) * scale[:, None, None])[:, ::2]  # strided heads
     k[0, 0, :4] = torch.tensor([448.0, 464.0, 57344.0, 61440.0])  # e4m3's largest, a tie past it; e5m2's
+    # Ties to even in e4m3's normals and subnormals (and e5m2's normals), zeros of both signs.
+    k[0, 1, :8] = torch.tensor([1.0625, 1.1875, 2.0 ** -10, 3 * 2.0 ** -10, 1.125, 1.375, 0.0, -0.0])
     slots = torch.randperm(nb * bs, generator=g)[:t]
     kc = torch.zeros(kv_heads, nb, bs, dim, dtype=kv_dtype)
     vc = torch.zeros_like(kc)
@@ -361,12 +363,18 @@ def test_write_kv_rounds_fp32_into_narrow_caches_as_round_to_does(kv_dtype) -> N
         rounded = indexable(round_to(x, kv_dtype)).transpose(0, 1)
         indexable(ref).view(kv_heads, nb * bs, dim).index_copy_(1, slots, rounded)
     assert torch.isfinite(kr.float()).all() and torch.isfinite(vr.float()).all()  # (saturated, never inf)
-    assert torch.equal(indexable(kc), indexable(kr))
-    assert torch.equal(indexable(vc), indexable(vr))
+    assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8))  # (bytes: -0.0 is not 0.0)
+    assert torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
     pk, pv = (torch.zeros_like(kc), torch.zeros_like(vc))
     torch.ops.kvpool.write_kv_packed(k, v, pk, pv, slots)
     want_k, want_v = kernels.packed_layout(kr, vr, "packed8")
-    assert torch.equal(indexable(pk), indexable(want_k)) and torch.equal(indexable(pv), indexable(want_v))
+    assert torch.equal(pk.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(pv.view(torch.uint8), want_v.view(torch.uint8))
+    # NaN stays NaN (not clamped to a number; its bits may differ from torch's: bf16's vector cast sets them all).
+    nan = torch.full((1, kv_heads, dim), float("nan"))
+    torch.ops.kvpool.write_kv(nan, nan, kc, vc, slots[:1])
+    torch.ops.kvpool.write_kv_packed(nan, nan, pk, pv, slots[:1])
+    assert all(int(c.float().isnan().sum()) == kv_heads * dim for c in (kc, vc, pk, pv))
     with pytest.raises(RuntimeError, match=r"must share one dtype \(or be float32 into bfloat16, float16 or "
                                            r"fp8 caches\)"):
         torch.ops.kvpool.write_kv(k.to(torch.bfloat16), v.to(torch.bfloat16), kc.float(), vc.float(), slots)

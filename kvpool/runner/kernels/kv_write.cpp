@@ -56,10 +56,52 @@ inline C to_cache(float x) {
   }
 }
 
-// One token's head_dim elements, converted to the cache's element type.
+#ifdef __AVX2__
+// 8 floats, already clamped to the format's range (or NaN), as 8 fp8 bytes (the low 8 of the result),
+// bit for bit c10's scalar conversion (torch's `.to()`): normals rounded to nearest even by adding
+// half an ulp less one plus the kept mantissa's lowest bit, subnormals rounded by one float addition of a
+// power of two whose ulp is the subnormal step. Shift: 23 minus the mantissa bits; Rebias: the exponent
+// bias difference (shifted); SubBelow: the smallest normal's bits; Denorm: the power of two's bits.
+template <int Shift, uint32_t Rebias, uint32_t SubBelow, uint32_t Denorm>
+inline __m128i fp8_from8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i f = _mm256_xor_si256(bits, sign);  // |x|, positive as int32 (NaN too)
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, Shift), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(f, _mm256_set1_epi32(static_cast<int>(Rebias + (1u << (Shift - 1)) - 1))), odd),
+      Shift);
+  const __m256i denorm = _mm256_set1_epi32(static_cast<int>(Denorm));
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(f), _mm256_castsi256_ps(denorm))), denorm);
+  __m256i r = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(SubBelow)), f));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(f, _mm256_set1_epi32(0x7f800000)));
+  r = _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xff)), _mm256_srli_epi32(sign, 24));
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  return _mm_packus_epi16(w, w);
+}
+#endif
+
+// One token's head_dim elements, converted to the cache's element type. fp8 eight at a time where AVX2 is
+// (c10's conversion is a branchy scalar function: a 2,048-token prompt step writes 24 million elements).
 template <typename C>
 inline void put(C* dst, const float* src, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = to_cache<C>(src[d]);
+  int64_t d = 0;
+#ifdef __AVX2__
+  constexpr bool e4m3 = std::is_same_v<C, c10::Float8_e4m3fn>, e5m2 = std::is_same_v<C, c10::Float8_e5m2>;
+  if constexpr (e4m3 || e5m2) {
+    const __m256 top = _mm256_set1_ps(static_cast<float>(std::numeric_limits<C>::max()));
+    const __m256 bottom = _mm256_sub_ps(_mm256_setzero_ps(), top);
+    for (; d + 8 <= dim; d += 8) {
+      // Clamped as to_cache clamps: min and max return their second operand when one is NaN, so NaN stays.
+      const __m256 x = _mm256_max_ps(bottom, _mm256_min_ps(top, _mm256_loadu_ps(src + d)));
+      const __m128i b = e4m3 ? fp8_from8<20, static_cast<uint32_t>(7 - 127) << 23, 121u << 23, 141u << 23>(x)
+                             : fp8_from8<21, static_cast<uint32_t>(15 - 127) << 23, 113u << 23, 134u << 23>(x);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), b);
+    }
+  }
+#endif
+  for (; d < dim; ++d) dst[d] = to_cache<C>(src[d]);
 }
 
 // fp32 keys and values into caches of C elements (fp32, or bf16, fp16 or fp8 under an fp32 model), rounded
@@ -70,6 +112,7 @@ template <typename C>
 void write_kv_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& slots, bool packed) {
   TORCH_CHECK(!packed || k_cache.size(2) % 8 == 0, "packed float32 caches need blocks of a multiple of 8 tokens");
+  TORCH_CHECK(!packed || sizeof(C) != 1 || k.size(2) <= 256, "packed fp8 caches take head_dim <= 256");
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const float* kp = k.const_data_ptr<float>();
@@ -83,7 +126,13 @@ void write_kv_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
         const float* ks = kp + t * k.stride(0) + h * k.stride(1);
         if (packed) {
           C* kt = kc + h * head_stride + tile * 8 * dim;
-          for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = to_cache<C>(ks[d]);
+          if constexpr (sizeof(C) == 1) {  // (converted eight at a time, then placed)
+            C row[256];
+            put(row, ks, dim);
+            for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = row[d];
+          } else {
+            for (int64_t d = 0; d < dim; ++d) kt[d * 8 + i] = to_cache<C>(ks[d]);
+          }
         } else {
           put(kc + h * head_stride + sp[t] * dim, ks, dim);
         }
