@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #include "common.h"
 
@@ -158,6 +159,8 @@ struct Rows {
   alignas(32) float kt[kPassTiles][DIM][kTile];  // the pass's keys, transposed here (standard caches)
   const float (*keys_t[kPassTiles])[kTile] = {};  // the pass's transposed keys: kt ...
   const C (*keys_p[kPassTiles])[kTile] = {};      // ... or in place (packed caches)
+  // A narrower cache's values of the pass, widened once where several row groups read them (see attend).
+  alignas(32) float vt[kPass][DIM];
   alignas(32) float sc[kMaxRows][kPassTiles * kTile];  // the pass's scores, then weights
   float m[kMaxRows], l[kMaxRows];        // running maximum and weight sum per row
   int64_t pos[kMaxRows], low[kMaxRows];  // the keys a row sees: [low, pos]
@@ -207,8 +210,8 @@ struct Rows {
 
   // acc[rows[i]] += sum over the pass's keys t in [t0, t1), in order, of sc[rows[i]][t] x value t (at
   // vals[t]), for N rows: each value vector loaded serves them all.
-  template <int64_t N>
-  inline void add_values(const int64_t* rows, const C* const* vals, int64_t t0, int64_t t1) {
+  template <int64_t N, typename V>
+  inline void add_values(const int64_t* rows, const V* const* vals, int64_t t0, int64_t t1) {
     constexpr int64_t kStep = 2;  // value vectors per row kept in registers
     for (int64_t c0 = 0; c0 < kChunks; c0 += kStep) {
       __m256 o[N][kStep];
@@ -317,6 +320,14 @@ struct Rows {
       // The pass's keys that are read: [t_lo, t_hi). The others (before the window, past the context, another
       // call's) may hold NaN (unused slots, released blocks): their scores are masked, their values not loaded.
       const int64_t t_lo = std::max<int64_t>(key_lo - t0, 0), t_hi = std::min<int64_t>(key_hi - t0, kPass);
+      // Keys [t0 + t_lo, t0 + t_hi) seen by some row: in a prompt tile rows' [low, pos] rise with the row,
+      // so the rows left out at either end see none of them (in a decode group every row sees them all).
+      int64_t r0 = row_begin, r1 = row_end;
+      while (r0 < r1 && pos[r0] < t0 + t_lo) ++r0;
+      while (r1 > r0 && low[r1 - 1] >= t0 + t_hi) --r1;
+      // A narrower cache's packed keys are widened once into kt when more than one row block scores them
+      // (a prompt task's 96 rows: 16), rather than at every block's loads; the same values, so the same bits.
+      const bool widen = !std::is_same_v<C, float> && r1 - r0 > kRowBlock;
       for (int64_t u = 0; u < nt; ++u) {
         const int64_t tu = t0 + kTile * u;  // a tile never straddles a block: block_size % 8 == 0
         const int64_t at = table[tu / pg.block_size] * pg.s_block + (tu % pg.block_size) * pg.s_token;
@@ -325,6 +336,10 @@ struct Rows {
           // In place: its keys outside [t_lo, t_hi) may be garbage (even NaN), but every row's softmax masks
           // their scores off, and their values are never read.
           keys_p[u] = reinterpret_cast<const C(*)[kTile]>(k + at);
+          if (widen) {
+            for (int64_t d = 0; d < DIM; ++d) _mm256_store_ps(kt[u][d], load8(keys_p[u][d]));
+            keys_t[u] = kt[u];
+          }
           continue;
         }
         const C* keys = k + at;
@@ -339,29 +354,40 @@ struct Rows {
         }
         keys_t[u] = kt[u];
       }
-      // Keys [t0 + t_lo, t0 + t_hi) seen by some row: in a prompt tile rows' [low, pos] rise with the row,
-      // so the rows left out at either end see none of them (in a decode group every row sees them all).
-      int64_t r0 = row_begin, r1 = row_end;
-      while (r0 < r1 && pos[r0] < t0 + t_lo) ++r0;
-      while (r1 > r0 && low[r1 - 1] >= t0 + t_hi) --r1;
       for (int64_t r = r0; r < r1; r += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, r1 - r);
         if (nt == 2) {
-          scores_rows<2>(r, rows, pg.packed);
+          scores_rows<2>(r, rows, pg.packed && !widen);
         } else {
-          scores_rows<1>(r, rows, pg.packed);
+          scores_rows<1>(r, rows, pg.packed && !widen);
         }
       }
       int64_t n_live = 0;
       for (int64_t r = r0; r < r1; ++r) {
         if (softmax_pass(r, t0, t_lo, t_hi)) live[n_live++] = r;
       }
-      int64_t i = 0;
-      for (; i + kPvRows <= n_live; i += kPvRows) add_values<kPvRows>(live + i, vals, t_lo, t_hi);
-      if (n_live - i == 3) add_values<3>(live + i, vals, t_lo, t_hi);
-      if (n_live - i == 2) add_values<2>(live + i, vals, t_lo, t_hi);
-      if (n_live - i == 1) add_values<1>(live + i, vals, t_lo, t_hi);
+      if (!std::is_same_v<C, float> && n_live > kPvRows) {
+        // Several groups of rows read each value vector: widen the seen keys' values once, as for the keys.
+        const float* wide[kPass] = {};
+        for (int64_t t = t_lo; t < t_hi; ++t) {
+          for (int64_t c = 0; c < DIM / 8; ++c) _mm256_store_ps(vt[t] + 8 * c, load8(vals[t] + 8 * c));
+          wide[t] = vt[t];
+        }
+        sum_values(live, n_live, wide, t_lo, t_hi);
+      } else {
+        sum_values(live, n_live, vals, t_lo, t_hi);
+      }
     }
+  }
+
+  // add_values for the live rows, kPvRows at a time.
+  template <typename V>
+  inline void sum_values(const int64_t* live, int64_t n_live, const V* const* vals, int64_t t_lo, int64_t t_hi) {
+    int64_t i = 0;
+    for (; i + kPvRows <= n_live; i += kPvRows) add_values<kPvRows>(live + i, vals, t_lo, t_hi);
+    if (n_live - i == 3) add_values<3>(live + i, vals, t_lo, t_hi);
+    if (n_live - i == 2) add_values<2>(live + i, vals, t_lo, t_hi);
+    if (n_live - i == 1) add_values<1>(live + i, vals, t_lo, t_hi);
   }
 
   void write(int64_t r, float* out) const {
