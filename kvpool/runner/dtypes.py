@@ -20,11 +20,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 # What a KV cache may hold besides: vLLM's fp8 names. e4m3 (3 mantissa bits, up to 448) is vLLM's `fp8`;
 # e5m2 (2 bits, fp16's range) is coarser. Both with a scale of 1, as vLLM's default: no calibration pass.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # KV dtypes whose range is narrower than fp32's: a key or value past it is stored as the largest finite
 # value of its sign (as vLLM's fp8 writes saturate), not as inf or NaN, which would poison every
 # attention row that reads it. bf16 has fp32's range and needs no clamp.
-_SATURATED = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+_SATURATED = (torch.float16, *FP8_DTYPES)
 
 
 def cpu_has_native_bf16(machine: str | None = None, cpuinfo: str | None = None) -> bool:
@@ -83,7 +84,7 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def indexable(t: torch.Tensor) -> torch.Tensor:
     """`t`, or for one-byte float dtypes its uint8 view: torch's CPU `index_copy_` has no fp8 kernel, and a
     copy of whole elements is the same copy of their bytes."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 @cache

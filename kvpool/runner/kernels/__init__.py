@@ -23,11 +23,13 @@ from typing import Any
 
 import torch
 
+from kvpool.runner.dtypes import FP8_DTYPES
+
 log = logging.getLogger(__name__)
 
 # What an fp32 model's KV cache may hold besides fp32, read and written by the fp32 kernels (common.h's
 # narrow_kv): a `kv_cache_dtype` of bf16, fp16 or fp8.
-NARROW_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+NARROW_KV_DTYPES = (torch.bfloat16, torch.float16, *FP8_DTYPES)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp", HERE / "prefill_f32.cpp",
