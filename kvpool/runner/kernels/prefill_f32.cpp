@@ -18,10 +18,11 @@
 // key a row does not see changes nothing (weight exactly 0, never a rescale). That is what keeps fp32
 // tokens identical with prefix caching on or off and at any chunk size, as the bf16 kernel's are.
 //
-// The pages may hold bf16, fp16 or fp8 keys and values instead (`kv_cache_dtype` under an fp32 model): every
+// The pages may hold bf16, fp16 or fp8 keys and values instead (`kv_cache_dtype` under an fp32 model): a
 // load then widens 8 of them to fp32 exactly (a bf16 is the top half of an fp32; fp16 through F16C, fp8
-// through fp16), and the arithmetic is the same; the queries, sums and outputs stay fp32. Half (a quarter)
-// of the bytes per key is what a decode step streams.
+// through fp16), once per pass where several row groups read them (Rows::attend), and the arithmetic is the
+// same; the queries, sums and outputs stay fp32. Half (a quarter) of the bytes per key is what a decode step
+// streams.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
