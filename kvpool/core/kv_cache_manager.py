@@ -11,7 +11,8 @@ whose `num_blocks` counts large pages.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from kvpool.core.block import KVCacheBlock
 from kvpool.core.block_pool import AllocationPlan, BlockPool, DeviceBlockPool, TierPool
@@ -413,6 +414,17 @@ class KVCacheManager:
         """Stats since the last call (cumulative totals stay in `self.stats`)."""
         s, self._interval_stats = self._interval_stats, PrefixCacheStats()
         return s
+
+    @contextmanager
+    def stats_paused(self) -> Iterator[None]:
+        """Lookups inside are not counted: they are the engine's own (pinned prefixes computed again),
+        not traffic, and the hit rate a user reads should be the one their requests saw."""
+        saved = self.stats, self._interval_stats
+        self.stats, self._interval_stats = PrefixCacheStats(), PrefixCacheStats()
+        try:
+            yield
+        finally:
+            self.stats, self._interval_stats = saved
 
     def take_events(self) -> list[KVCacheEvent]:
         events = self.block_pool.take_events()

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -479,7 +479,17 @@ class LLMEngine:
         else running (a reset waits for idle; a recovery aborted everything), these steps are the only
         ones. A step that fails here (or Ctrl-C) leaves half-written blocks again: everything is forgotten
         once more, and the pins not made wait for the next reset or recovery (logged) rather than being
-        tried again in a loop; a pin that cannot be made for a reason of its own is dropped alone."""
+        tried again in a loop; a pin that cannot be made for a reason of its own is dropped alone.
+        These steps are the engine's own work, not traffic: the prefix-cache and token counters (and so
+        `/metrics` and the hit rate a user reads) leave them out."""
+        counted = replace(self.scheduler.stats)
+        try:
+            with self.kv.stats_paused():
+                self._make_pins(saved)
+        finally:
+            self.scheduler.stats = counted
+
+    def _make_pins(self, saved: Sequence[Pin]) -> None:
         for i, pin in enumerate(saved):
             try:
                 if self._pin_cached(pin):

@@ -166,6 +166,28 @@ def test_ctrl_c_while_pins_are_computed_again_leaves_a_clean_engine(tiny_llama_d
     assert llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0].num_cached_tokens == 20
 
 
+def test_pins_computed_again_are_not_counted_as_traffic(tiny_llama_dir: Path) -> None:
+    """A reset computes the pinned prefixes again: the engine's own steps, which the prefix-cache and token
+    counters (what `/metrics` and a user's hit rate are made of) leave out."""
+    llm = make(tiny_llama_dir, pin_budget=0.3)
+    eng = llm.engine
+    pin = llm.pin_prefix(SYSTEM)
+    assert llm.generate([[*SYSTEM, 7, 8]], SamplingParams.greedy(4), use_tqdm=False)[0].num_cached_tokens == 20
+    stats = eng.stats()
+    totals = (eng.kv.stats.requests, eng.kv.stats.queries, eng.kv.stats.hits)
+    eng.take_prefix_cache_stats()
+    assert llm.reset_prefix_cache() is True  # one step computes SYSTEM again and pins it
+    assert len(cached_ids(llm, pin)) == 5 and list(eng.pins.pins) == [pin.pin_id]
+    assert (eng.kv.stats.requests, eng.kv.stats.queries, eng.kv.stats.hits) == totals
+    assert eng.take_prefix_cache_stats().queries == 0
+    assert eng.stats().num_generation_tokens == stats.num_generation_tokens
+    # Traffic after it counts as before: 22 tokens looked up, the pinned 20 found.
+    assert llm.generate([[*SYSTEM, 9, 9]], SamplingParams.greedy(4), use_tqdm=False)[0].num_cached_tokens == 20
+    pc = eng.take_prefix_cache_stats()
+    assert (pc.requests, pc.queries, pc.hits) == (1, 22, 20)
+    assert eng.stats().num_generation_tokens == stats.num_generation_tokens + 4
+
+
 def test_the_longest_request_fits_beside_a_full_pin_budget(tiny_llama_dir: Path) -> None:
     """Pinned blocks are never preempted: the pin budget never takes the room the longest request the engine
     accepts needs, or a pin would leave that request waiting forever (and every request queued behind it).
