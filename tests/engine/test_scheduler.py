@@ -179,14 +179,15 @@ class LetterTokenizer:
 
 
 @pytest.mark.parametrize(("include", "text"), [(False, "ab"), (True, "abcd")])
-def test_stop_strings_are_decided_with_the_stop_tokens(include: bool, text: str) -> None:
+@pytest.mark.parametrize("max_tokens", [10, 4])  # 4: the token that completes "cd" is also the last allowed
+def test_stop_strings_are_decided_with_the_stop_tokens(include: bool, text: str, max_tokens: int) -> None:
     import threading
 
     from kvpool.engine.stop import Detokenizer, StopChecker
 
     kv = KVCacheManager(64, BS)
     s = Scheduler(kv, stop_checker=StopChecker(Detokenizer(LetterTokenizer(), threading.Lock())))
-    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, stop=["cd"], include_stop_str_in_output=include),
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=max_tokens, stop=["cd"], include_stop_str_in_output=include),
                 hasher=BlockHasher(BS))
     s.add_request(r)
     for tok in (0, 1, 2, 3, 4):  # a b c d: "cd" completes on the fourth token
