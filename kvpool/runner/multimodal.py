@@ -39,6 +39,26 @@ class ImageInput:
     pixels: torch.Tensor | np.ndarray | str | Path
 
 
+def numeric_tensor(value: Any, name: str) -> torch.Tensor:
+    """A CPU tensor of real numbers from a tensor, an array or nested lists; ValueError naming the field
+    (`mm_inputs: {name} ...`) otherwise."""
+    try:
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"mm_inputs: {name} must be an array of numbers: {e}") from None
+    if t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"mm_inputs: {name} must be an array of numbers, got dtype {t.dtype}")
+    return t.detach().cpu()
+
+
+def finite(t: torch.Tensor, name: str) -> torch.Tensor:
+    """`t`, if every value is finite: a NaN or inf reaches the hidden states, and every logit of the
+    request is NaN (a sampled one then fails the whole step)."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"mm_inputs: {name} must be finite (NaN or inf found)")
+    return t
+
+
 @dataclass(frozen=True)
 class EmbedsInput:
     """Ready embeddings (n, hidden_size) for the n prompt tokens from `offset`."""
@@ -159,17 +179,20 @@ class MultiModalProcessor:
                     if not Path(pixels).is_file():
                         raise ValueError(f"mm_inputs: image file {str(pixels)!r} not found")
                     pixels = np.load(pixels)
-                data = torch.as_tensor(pixels).float()
+                data = finite(numeric_tensor(pixels, "image pixels").float(), "image pixels")
                 self.encoder.check(data)  # type: ignore[operator]
                 kind, length = "image", int(self.encoder.num_tokens)  # type: ignore[arg-type]
             elif isinstance(x, EmbedsInput):
-                data = x.embeds.detach()
+                data = numeric_tensor(x.embeds, "embeddings")
+                data = finite(data if data.is_floating_point() else data.float(), "embeddings")
                 if data.ndim != 2 or data.shape[0] < 1 or data.shape[1] != self.hidden_size:
                     raise ValueError(f"mm_inputs: embeddings must be (n >= 1, {self.hidden_size}), got "
                                      f"{tuple(data.shape)}")
                 kind, length = "embeds", int(data.shape[0])
             else:
                 raise ValueError(f"mm_inputs: expected ImageInput or EmbedsInput, got {type(x).__name__}")
+            if isinstance(x.offset, bool) or not isinstance(x.offset, int):
+                raise ValueError(f"mm_inputs: {kind} offset must be an int, got {x.offset!r}")
             if x.offset < 0 or x.offset + length > num_prompt_tokens:
                 raise ValueError(f"mm_inputs: {kind} at offset {x.offset} needs {length} placeholder tokens; the "
                                  f"prompt has {num_prompt_tokens}")

@@ -242,7 +242,7 @@ def test_encoder_states_written_once_per_admission(mllama_dir: Path) -> None:
     ([TiledImageInput(torch.zeros(4, 3, 8, 8, dtype=torch.bool), 1, [1, 0, 0, 0])],
      "mm_inputs: pixel_values must be an array of numbers, got dtype torch.bool"),
     ([TiledImageInput(torch.full((4, 3, 8, 8), float("nan")), 1, [1, 0, 0, 0])],
-     "mm_inputs: pixel_values must be finite"),
+     "mm_inputs: pixel_values must be finite (NaN or inf found)"),
     ([TiledImageInput(torch.zeros(4, 3, 8, 8), 0, [1, 0, 0, 0])],
      "mm_inputs: aspect_ratio_id must be an int in [1, 8], got 0"),
     ([TiledImageInput(torch.zeros(4, 3, 8, 8), 1, [0, 1, 0, 0])],

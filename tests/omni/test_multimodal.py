@@ -107,6 +107,27 @@ def test_image_file_and_bad_inputs(tiny_llama_dir: Path, tmp_path: Path) -> None
         eng.add_request([P] * 8, mm_inputs=[EmbedsInput(0, torch.zeros(2, 3))])
     with pytest.raises(ValueError, match=r"mm_inputs: image file '/nonexistent\.npy' not found"):
         eng.add_request([P] * 8, mm_inputs=[ImageInput(0, "/nonexistent.npy")])
+    # Values that would make every logit NaN, types that are not numbers, offsets that are not ints, and
+    # inputs not given as the prompt's list: each refused by its field, before anything runs.
+    nan = image(0).clone()
+    nan[1, 2, 3] = float("nan")
+    bad = [(ImageInput(0, nan), r"mm_inputs: image pixels must be finite \(NaN or inf found\)"),
+           (EmbedsInput(0, torch.full((2, 64), float("inf"))), r"mm_inputs: embeddings must be finite"),
+           (EmbedsInput(0, torch.zeros(2, 64, dtype=torch.bool)), r"embeddings must be an array of numbers, got dtype "
+                                                                  r"torch\.bool"),
+           (EmbedsInput(0, [["x"] * 64] * 2), r"mm_inputs: embeddings must be an array of numbers"),
+           (EmbedsInput("2", torch.zeros(2, 64)), r"mm_inputs: embeds offset must be an int, got '2'"),
+           (EmbedsInput(2.5, torch.zeros(2, 64)), r"mm_inputs: embeds offset must be an int, got 2\.5")]
+    for x, message in bad:
+        with pytest.raises(ValueError, match=message):
+            eng.add_request([P] * 8, mm_inputs=[x])
+    with pytest.raises(ValueError, match=r"mm_inputs: a list of the prompt's inputs .*got EmbedsInput"):
+        eng.add_request([P] * 8, mm_inputs=EmbedsInput(0, torch.zeros(2, 64)))  # type: ignore[arg-type]
+    # Numbers as nested lists or numpy arrays are taken (as float32 where they are not floating point).
+    eng.add_request([P] * 8, mm_inputs=[EmbedsInput(0, np.ones((2, 64), dtype=np.int64))])
+    eng.add_request([P] * 8, mm_inputs=[EmbedsInput(0, [[0.5] * 64] * 2)])
+    while eng.has_unfinished_requests():
+        eng.step()
     plain = LLMEngine(model=str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=16)
     with pytest.raises(ValueError, match=r"mm_inputs: this engine has no vision encoder \(set vision_encoder\)"):
         plain.add_request([P] * 8, mm_inputs=[ImageInput(0, image(0))])

@@ -43,7 +43,14 @@ from kvpool.runner.models.llama import (
     load_param,
 )
 from kvpool.runner.models.registry import register_model
-from kvpool.runner.multimodal import PreparedInputs, TiledImageInput, content_hash, salted_item
+from kvpool.runner.multimodal import (
+    PreparedInputs,
+    TiledImageInput,
+    content_hash,
+    finite,
+    numeric_tensor,
+    salted_item,
+)
 
 # Rows of the embedding table past the text vocabulary: <|image|> and other special tokens (transformers: +8).
 EXTRA_EMBEDDINGS = 8
@@ -320,17 +327,6 @@ class MllamaForConditionalGeneration(LlamaForCausalLM):
         check_all_loaded(params, loaded)
 
 
-def _as_tensor(value: Any, name: str) -> torch.Tensor:
-    """A CPU tensor of numbers from a tensor, an array or nested lists; ValueError naming the field otherwise."""
-    try:
-        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"mm_inputs: {name} must be an array of numbers: {e}") from None
-    if t.dtype == torch.bool or t.is_complex():
-        raise ValueError(f"mm_inputs: {name} must be an array of numbers, got dtype {t.dtype}")
-    return t.detach().cpu()
-
-
 @dataclass
 class PlacedImage:
     """A request's validated image: what its block hashes see, and what the runner needs of it."""
@@ -370,16 +366,14 @@ class MllamaInputs:
         if not isinstance(x, TiledImageInput):
             raise ValueError(f"mm_inputs: this cross-attention model takes a TiledImageInput (tiles' pixel values, "
                              f"aspect ratio id and mask), got {type(x).__name__}")
-        pixels = _as_tensor(x.pixel_values, "pixel_values").float()
+        pixels = finite(numeric_tensor(x.pixel_values, "pixel_values").float(), "pixel_values")
         want = (a.max_num_tiles, 3, a.image_size, a.image_size)
         if tuple(pixels.shape) != want:
             raise ValueError(f"mm_inputs: pixel_values must have shape {want}, got {tuple(pixels.shape)}")
-        if not bool(torch.isfinite(pixels).all()):
-            raise ValueError("mm_inputs: pixel_values must be finite")
         ar_id, top = x.aspect_ratio_id, a.max_aspect_ratio_id
         if not isinstance(ar_id, int | np.integer) or isinstance(ar_id, bool) or not 1 <= ar_id <= top:
             raise ValueError(f"mm_inputs: aspect_ratio_id must be an int in [1, {top}], got {ar_id!r}")
-        mask = _as_tensor(x.aspect_ratio_mask, "aspect_ratio_mask")
+        mask = numeric_tensor(x.aspect_ratio_mask, "aspect_ratio_mask")
         if tuple(mask.shape) != (a.max_num_tiles,) or not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"mm_inputs: aspect_ratio_mask must be {a.max_num_tiles} zeros and ones, got "
                              f"{mask.tolist()}")
