@@ -71,7 +71,10 @@ class KVPoolSession:
         from kvpool.engine.sampling_params import SamplingParams
 
         self.prompts, self.loras = prompts, loras
-        self.llm = llm = LLM(**{**engine_kw, "enable_prefix_caching": caching})
+        kw = {**engine_kw, "enable_prefix_caching": caching}
+        if not caching:  # (the tiers below the device keep cached blocks: none without caching)
+            kw = {k: v for k, v in kw.items() if k not in ("swap_space", "num_host_blocks", "kv_store")}
+        self.llm = llm = LLM(**kw)
         for lora in {x.lora_name: x for x in loras or () if x is not None}.values():
             llm.engine.add_lora(lora)
         log.info("%s allocator: %d KV blocks; %d requests of full length fit while decoding",

@@ -178,6 +178,8 @@ def make_policy(name: str | EvictionPolicy | None, field: str = "eviction_policy
     if name is None:
         return LRUPolicy()
     if not isinstance(name, str):
+        if not isinstance(name, EvictionPolicy):
+            raise ValueError(f"{field}: a policy name (one of {policy_names()}) or an EvictionPolicy, got {name!r}")
         return name
     factory = _POLICIES.get(name)
     if factory is None:

@@ -128,6 +128,7 @@ class RunnerConfig:
 
 SECTIONS: dict[str, type] = {"runner": RunnerConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 _SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
+_BOOL_OPTIONS = [f.name for cls in SECTIONS.values() for f in fields(cls) if f.type == "bool"]
 
 
 class EngineConfig:
@@ -211,9 +212,11 @@ class EngineConfig:
             raise ValueError(f"pin_budget: a fraction of the pool in [0, 1], got {b!r}")
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device: must be a string such as 'cpu' or 'cuda', got {self.device!r}")
-        for name in ("enable_prefix_caching", "write_through", "hybrid_allocator", "native_kernels", "enable_lora"):
+        for name in _BOOL_OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        if self.hash_seed is not None and not isinstance(self.hash_seed, str | bytes):
+            raise ValueError(f"hash_seed: must be a string, bytes or None, got {self.hash_seed!r}")
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

@@ -111,9 +111,27 @@ class LLMEngine:
         bs = config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         self.max_model_len = self._longest_fitting_request(self.max_model_len)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            # Unchunked, a prompt (or a preempted request's prompt and output) must fit one step, or it
+            # would wait for ever: the longest request the engine takes is one step's budget.
+            if config.max_model_len is not None:
+                raise ValueError(f"max_num_batched_tokens: {config.max_num_batched_tokens} is less than max_model_len "
+                                 f"({self.max_model_len}); without chunked prefill a request must fit one step "
+                                 "(raise it, lower max_model_len, or set enable_chunked_prefill=True)")
+            log.info("max_model_len: %d, one step's token budget (max_num_batched_tokens), as chunked prefill "
+                     "is off", config.max_num_batched_tokens)
+            self.max_model_len = config.max_num_batched_tokens
         num_host = config.num_host_blocks
-        if num_host is None:
+        if num_host is None and not config.enable_prefix_caching:
+            if config.swap_space_bytes():
+                raise ValueError("swap_space: the host tier keeps cached blocks, so it needs prefix caching "
+                                 "(enable_prefix_caching=True), or set swap_space=0")
+            num_host = 0
+        elif num_host is None:
             num_host = self.runner.allocate_host_cache(config.swap_space_bytes())
+            if config.swap_space_bytes() and not num_host:
+                raise ValueError(f"swap_space: {config.swap_space!r} holds no KV block "
+                                 f"({self.runner.bytes_per_block} bytes each)")
         elif num_host:
             self.runner.allocate_host_cache(num_host * self.runner.bytes_per_block)
         has_state = any(isinstance(s, MambaSpec) for s in self.runner.kv_cache_specs)
@@ -375,6 +393,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.validate()  # again: the caller may have changed a field since it was made
+        if params.stop and self.detokenizer is None:
+            raise ValueError("stop: stop strings need the tokenizer to read the output (this engine was made with "
+                             "skip_tokenizer_init=True); use stop_token_ids")
         prompt = normalize_prompt(prompt)
         lora_name = None
         if lora_request is not None:
@@ -393,6 +414,9 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
+        if not isinstance(mm_inputs, list | tuple):
+            raise ValueError(f"mm_inputs: a list of the prompt's inputs (LLM.generate: one list per prompt), got "
+                             f"{type(mm_inputs).__name__}")
         prepared = self.mm.prepare_request(ids, mm_inputs, mm_items, cache_salt)
         if prepared is not None:
             mm_items = prepared.items

@@ -54,7 +54,7 @@ class SamplingParams:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
                                             or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
-        if self.n != 1:
+        if self.n != 1 or type(self.n) is not int:
             raise ValueError(f"n: only n=1 is supported, got {self.n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(1 << 63) <= self.seed < 1 << 64):

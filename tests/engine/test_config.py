@@ -124,3 +124,31 @@ def test_the_pin_budget_is_a_flag_and_a_fraction() -> None:
     for bad in (1.5, -0.1, float("nan"), True, "0.2"):
         with pytest.raises(ValueError, match=r"^pin_budget: a fraction of the pool in \[0, 1\], got "):
             EngineConfig(pin_budget=bad).validate()
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(enable_chunked_prefill="no"), r"^enable_chunked_prefill: must be True or False, got 'no'"),
+    (dict(enable_chunked_prefill=None), r"^enable_chunked_prefill: must be True or False, got None"),
+    (dict(skip_tokenizer_init="no"), r"^skip_tokenizer_init: must be True or False"),
+    (dict(enable_kv_events=1), r"^enable_kv_events: must be True or False, got 1"),
+    (dict(batch_invariant="yes"), r"^batch_invariant: must be True or False"),
+    (dict(stage_outputs=0), r"^stage_outputs: must be True or False"),
+    (dict(hash_seed=5), r"^hash_seed: must be a string, bytes or None, got 5"),
+    (dict(hash_seed=["a"]), r"^hash_seed: must be a string, bytes or None"),
+])
+def test_every_switch_and_the_hash_seed_are_checked(kw: dict, message: str) -> None:
+    """Every bool option of every section is checked: "no" must not leave a switch on."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw).validate()
+    EngineConfig(hash_seed="tenant-1").validate()
+    EngineConfig(hash_seed=b"\x01").validate()
+
+
+def test_an_eviction_policy_is_a_name_or_a_policy() -> None:
+    from kvpool.core.eviction import LRUPolicy, make_policy
+
+    p = LRUPolicy()
+    assert make_policy(p) is p
+    with pytest.raises(ValueError, match=r"^eviction_policy: a policy name \(one of \[.*'lru'.*\]\) or an "
+                                         r"EvictionPolicy, got 3"):
+        make_policy(3)  # type: ignore[arg-type]

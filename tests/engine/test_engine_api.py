@@ -190,3 +190,36 @@ def test_a_reset_between_generate_calls_is_not_refused_by_owed_host_copies(tiny_
     llm.engine.kv.check_integrity()
     out = llm.generate([prompt], SamplingParams.greedy(3), use_tqdm=False)[0]
     assert out.num_cached_tokens == 0  # forgotten in both tiers
+
+
+def test_without_chunked_prefill_every_request_fits_one_step(tiny_llama_dir: Path) -> None:
+    """Unchunked, a prompt longer than a step's budget would wait for ever: the engine takes none."""
+    kw = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=64, block_size=4, enable_chunked_prefill=False,
+              max_num_batched_tokens=8)
+    llm = LLM(str(tiny_llama_dir), **kw)  # type: ignore[arg-type]
+    assert llm.engine.max_model_len == 8
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([list(range(1, 20))], SamplingParams.greedy(2), use_tqdm=False)
+    assert len(llm.generate([list(range(1, 7))], SamplingParams.greedy(2), use_tqdm=False)[0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens: 8 is less than max_model_len \(32\); without "
+                                         r"chunked prefill a request must fit one step"):
+        LLM(str(tiny_llama_dir), max_model_len=32, **kw)  # type: ignore[arg-type]
+
+
+def test_a_host_tier_needs_caching_and_room_for_a_block(tiny_llama_dir: Path) -> None:
+    kw = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match=r"^swap_space: the host tier keeps cached blocks, so it needs prefix "
+                                         r"caching"):
+        LLM(str(tiny_llama_dir), enable_prefix_caching=False, swap_space="64MiB", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^swap_space: '1KiB' holds no KV block \(\d+ bytes each\)"):
+        LLM(str(tiny_llama_dir), swap_space="1KiB", **kw)  # type: ignore[arg-type]
+    assert LLM(str(tiny_llama_dir), swap_space="1MiB", **kw).engine.has_host_tier  # type: ignore[arg-type]
+
+
+def test_stop_strings_need_the_tokenizer_and_n_is_the_int_one(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"^stop: stop strings need the tokenizer .*use stop_token_ids"):
+        llm.generate([[1, 2, 3]], SamplingParams.greedy(4, stop=["ab"]), use_tqdm=False)
+    for n in (True, 1.0):
+        with pytest.raises(ValueError, match=r"^n: only n=1 is supported"):
+            SamplingParams(n=n)  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished_requests()
