@@ -194,7 +194,7 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
     media = media or MediaOptions()
     default_max_tokens = pipeline.configs[0].sampling.max_tokens
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' checks)
     async def health() -> Response:
         if not worker.is_alive:
             return APIError(503, "the omni pipeline is not running").response()

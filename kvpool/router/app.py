@@ -377,7 +377,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
     app.state.client = client
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' checks)
     async def health() -> Response:
         if not any(r.healthy for r in router.replicas.values()):
             return _error(503, "no replica is healthy")
@@ -478,15 +478,19 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             # answering is still retried elsewhere.
             chunks = resp.aiter_raw()
             try:
-                first = await chunks.__anext__()
-            except StopAsyncIteration:
-                first = b""
+                # (Watching the client: the first bytes can be a queue wait and a prefill away, or more
+                # when stop strings hold the text back.)
+                got, first = await until_disconnected(_first_chunk(chunks), request)
             except httpx.HTTPError:
                 await resp.aclose()
                 router.done(name)
                 router.mark_down(name)
                 router.metrics.retries.labels(name).inc()
                 continue
+            if not got or first is None:  # the client left: closing the connection aborts it there
+                await resp.aclose()
+                router.done(name)
+                return Response(status_code=499)
             return StreamingResponse(_relay(first, chunks, resp, router, name), status_code=resp.status_code,
                                      media_type=resp.headers.get("content-type"),
                                      headers={"Cache-Control": "no-cache", "x-kvpool-replica": name})
@@ -496,6 +500,14 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         return _error(503, "no replica could take the request; retry later")
 
     return app
+
+
+async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
+    """The stream's first bytes (b"" for an empty stream)."""
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return b""
 
 
 async def _relay(first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, router: Router, name: str

@@ -13,6 +13,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
@@ -56,10 +57,13 @@ async def read_raw(request: Request, max_bytes: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"body: {declared} bytes is over the limit of {max_bytes}")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
-            raise APIError(413, f"body: over the limit of {max_bytes} bytes")
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_bytes:
+                raise APIError(413, f"body: over the limit of {max_bytes} bytes")
+    except ClientDisconnect:  # left mid-upload: nothing started, nobody to answer (not a server error)
+        raise ClientDisconnected() from None
     return bytes(raw)
 
 
@@ -100,7 +104,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
+        r = APIError(e.status_code, str(e.detail)).response()
+        r.headers.update(e.headers or {})  # (a 405's Allow: the methods the path takes)
+        return r
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, e: ClientDisconnected) -> Response:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from kvpool.engine.sampling_params import SamplingParams
 
@@ -104,6 +104,8 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"{name}: not supported (must be 0)")
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true (as OpenAI's and vLLM's servers)")
         extra = self.model_extra or {}  # fields not declared here: bookkeeping, or _UNSUPPORTED's
         for name, harmless in _UNSUPPORTED.items():
             value = extra.get(name)
@@ -177,6 +179,14 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _a_bound(cls, v: int | None) -> int | None:
+        # (max_completion_tokens, when sent, bounds the answer; a max_tokens beside it must still be a bound)
+        if v is not None and v < 1:
+            raise ValueError(f"must be an int >= 1, got {v}")
+        return v
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

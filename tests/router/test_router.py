@@ -241,12 +241,15 @@ def test_router_errors_are_openai_errors(cluster: tuple[RouterHandle, list[Serve
     assert httpx.post(f"{front.url}/v1/completions", content=chunks()).status_code == 413
 
 
-def test_a_client_leaving_a_non_streaming_request_aborts_it_on_the_replica(
-        cluster: tuple[RouterHandle, list[ServerHandle]]) -> None:
+# A stream whose first bytes never come while the client is there: a stop string longer than the answer holds
+# back all of its text (as a long queue wait or prefill would delay it).
+@pytest.mark.parametrize("extra", [{}, {"stream": True, "stop": "Z" * 2000}], ids=["non-streaming", "streaming"])
+def test_a_client_leaving_before_the_first_byte_aborts_it_on_the_replica(
+        cluster: tuple[RouterHandle, list[ServerHandle]], extra: dict) -> None:
     front, reps = cluster
     before = sum(metric(h.url, "kvpool:generation_tokens_total") for h in reps)
     leave_early(f"{front.url}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True,
-                                                "temperature": 0}, reps)
+                                                "temperature": 0, **extra}, reps)
     assert sum(metric(h.url, "kvpool:generation_tokens_total") for h in reps) - before < 480  # stopped early
 
 

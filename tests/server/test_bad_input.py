@@ -63,6 +63,10 @@ CASES = [
      "max_completion_tokens: must be an int >= 1"),
     ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 10**6}).encode(), 400,
      "max_completion_tokens", "max_completion_tokens: 1000000 new tokens"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": -5, "max_completion_tokens": 2}).encode(), 400,
+     "max_tokens", "max_tokens: Value error, must be an int >= 1, got -5"),
+    ("/v1/completions", body(stream_options={"include_usage": True}), 400, "stream_options",
+     "stream_options: only with stream=true"),
     # Fields that would change the answer and are not implemented: refused by name, never ignored.
     ("/v1/completions", body(best_of=2), 400, "best_of", "best_of: not supported"),
     ("/v1/completions", body(logit_bias={"5": 100}), 400, "logit_bias", "logit_bias: not supported"),
@@ -241,3 +245,31 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it_without_a_traceback(
     assert metric(server.url, "kvpool:generation_tokens_total") - generated < 480  # stopped early
     assert not [m for m in errors.messages if "Exception in ASGI application" in m]
     assert server.engine.call_soon(lambda e: e.kv.usage).result(10) == 0.0
+
+
+def test_a_client_leaving_mid_upload_is_no_server_error(server: ServerHandle) -> None:
+    """A body cut off before its Content-Length: the client left before anything started (a 499 nobody
+    reads, no traceback), and the server serves on."""
+    import socket
+    import urllib.parse
+
+    errors = _Records()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    u = urllib.parse.urlsplit(server.url)
+    try:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/pins"):
+            with socket.create_connection((u.hostname, u.port), timeout=5) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          "Content-Length: 50000\r\n\r\n".encode() + b'{"prompt": "' + b"a" * 1000)
+                time.sleep(0.2)
+        time.sleep(0.5)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+    assert not [m for m in errors.messages if "Exception in ASGI application" in m], errors.messages
+    assert httpx.post(f"{server.url}/v1/completions", json=OK).status_code == 200
+
+
+def test_a_wrong_method_names_the_allowed_ones_and_health_takes_head(server: ServerHandle) -> None:
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+    assert httpx.head(f"{server.url}/health").status_code == 200
