@@ -166,8 +166,10 @@ def test_fp32_refuses_what_it_cannot_run() -> None:
 
 def test_refuses_bad_input(op) -> None:
     q, kc, vc, _, _, (starts, lens, ctx), tables = scenario([(10, 30)])
+    # (float32 queries over bf16 caches are a narrow KV cache, which the fp32 kernel takes: see
+    # test_fp32_refuses_what_it_cannot_run.)
     with pytest.raises(RuntimeError, match="k_cache and v_cache must share one Float"):
-        op(q.float(), kc, vc, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q.float()))
+        op(q.float(), kc.double(), vc.double(), starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q.float()))
     with pytest.raises(RuntimeError, match="q must be a contiguous BFloat16"):
         op(q.half(), kc.half(), vc.half(), starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q.half()))
     with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
