@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvpool.engine.sampling_params import SamplingParams
 
@@ -184,8 +185,8 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _a_bound(cls, v: int | None) -> int | None:
         # (max_completion_tokens, when sent, bounds the answer; a max_tokens beside it must still be a bound)
-        if v is not None and v < 1:
-            raise ValueError(f"must be an int >= 1, got {v}")
+        if v is not None and v < 1:  # (a custom error: its message is SamplingParams' own, without pydantic's prefix)
+            raise PydanticCustomError("max_tokens", "must be an int >= 1, got {v}", {"v": v})
         return v
 
     def _max_tokens(self) -> int | None:

@@ -64,7 +64,7 @@ CASES = [
     ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 10**6}).encode(), 400,
      "max_completion_tokens", "max_completion_tokens: 1000000 new tokens"),
     ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": -5, "max_completion_tokens": 2}).encode(), 400,
-     "max_tokens", "max_tokens: Value error, must be an int >= 1, got -5"),
+     "max_tokens", "max_tokens: must be an int >= 1, got -5"),
     ("/v1/completions", body(stream_options={"include_usage": True}), 400, "stream_options",
      "stream_options: only with stream=true"),
     # Fields that would change the answer and are not implemented: refused by name, never ignored.
