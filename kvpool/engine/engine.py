@@ -121,15 +121,15 @@ class LLMEngine:
             log.info("max_model_len: %d, one step's token budget (max_num_batched_tokens), as chunked prefill "
                      "is off", config.max_num_batched_tokens)
             self.max_model_len = config.max_num_batched_tokens
-        num_host = config.num_host_blocks
+        num_host, swap_bytes = config.num_host_blocks, config.swap_space_bytes()
         if num_host is None and not config.enable_prefix_caching:
-            if config.swap_space_bytes():
+            if swap_bytes:
                 raise ValueError("swap_space: the host tier keeps cached blocks, so it needs prefix caching "
                                  "(enable_prefix_caching=True), or set swap_space=0")
             num_host = 0
         elif num_host is None:
-            num_host = self.runner.allocate_host_cache(config.swap_space_bytes())
-            if config.swap_space_bytes() and not num_host:
+            num_host = self.runner.allocate_host_cache(swap_bytes)
+            if swap_bytes and not num_host:
                 raise ValueError(f"swap_space: {config.swap_space!r} holds no KV block "
                                  f"({self.runner.bytes_per_block} bytes each)")
         elif num_host:

@@ -164,10 +164,10 @@ inline void prefetch_tile(const Bf16* k, const Bf16* v, int64_t at, int64_t s_to
 // stream over a task's sequences, asked for kAhead tiles before they are read, one tile per tile read.
 // Spread out this way the requests keep the memory busy; asking for a whole sequence's keys at once (as
 // before) overflowed the miss buffers, and a 64-row decode step's attention took ~15% longer. They are asked
-// into L2, 16 tiles ahead: a prefetch into L1 holds one of L1's few miss buffers until its line arrives,
-// and 8 tiles of them (512 lines) already queued behind those; into L2, twice as many tiles in flight read
-// the own keys ~10-20% faster on a Zen 4 (decode micro-benchmark: 192-320 own keys a sequence, 30 layers),
-// and a tile read from L2 costs its 3 rows little beside their dot products.
+// into L2, 16 tiles ahead. A prefetch into L1 holds one of L1's few miss buffers until its line arrives,
+// and 8 tiles are 512 lines, so most of them waited in line. Into L2, with twice as many tiles in flight,
+// the own keys read ~10-20% faster on a Zen 4 (decode micro-benchmark: 192-320 own keys a sequence, 30
+// layers), and a tile read from L2 costs its 3 rows little beside their dot products.
 template <int64_t DIM>
 struct KeyStream {
   static constexpr int64_t kAhead = 16;  // tiles
