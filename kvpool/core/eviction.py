@@ -188,5 +188,6 @@ def make_policy(name: str | EvictionPolicy | None, field: str = "eviction_policy
 
 
 # The policies beyond LRU register themselves (imported last: they build on this module).
+import kvpool.core.adaptive  # noqa: E402
 import kvpool.core.lhd  # noqa: E402
 import kvpool.core.policies  # noqa: E402, F401

@@ -225,13 +225,38 @@ class LHDPolicy(_Slots):
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         out = self._take_n(n, self._evict)
         for blk in out:
-            # It will hold other content: links from its children go stale, and so do their counts.
-            self.gen[blk.block_id] += 1
-            self.nfree_child[blk.block_id] = 0
-        self.now += n
+            self._handed_out(blk)
         return out
 
+    def _handed_out(self, blk: KVCacheBlock) -> None:
+        """`blk` leaves the pool to hold other content: links from its children go stale, and so do
+        their counts; the policy's clock (allocations) moves on."""
+        if blk.block_id < self.size:
+            self.gen[blk.block_id] += 1
+            self.nfree_child[blk.block_id] = 0
+        self.now += 1
+
+    def handed_out_elsewhere(self, blk: KVCacheBlock) -> None:
+        """For a policy that combines this one with others (`kvpool.core.adaptive`): `blk` was handed out
+        by the combination, not by `popleft_n`. A cached candidate here (another policy chose it as the
+        victim) counts as evicted, as if this policy had chosen it: its ghost, its observation window
+        and its histograms learn from every eviction, whoever made it. Any other block (empty or low
+        value: the combination keeps those queues) only moves the clock."""
+        bid = blk.block_id
+        if bid < self.size and self.where[bid] == _MAIN:
+            self._evicted(bid)
+            self.where[bid] = _NONE
+        self._handed_out(blk)
+
     def _evict(self) -> KVCacheBlock:
+        best = self._choose()
+        self._evicted(best)
+        blk = self.blocks[best]
+        assert blk is not None
+        return blk
+
+    def _choose(self) -> int:
+        """The leaf to evict: the lowest density of up to SAMPLES sampled leaves, ties to the oldest release."""
         leaves, dens, rel, cls = self.leaves, self.dens, self.rel, self.cls
         now, gran, top = self.now, self.gran, _N_AGE - 1
         k = len(leaves)
@@ -249,6 +274,13 @@ class LHDPolicy(_Slots):
             d = dens[cls[bid] * _N_AGE + (a if a < top else top)]
             if best < 0 or d < best_d or (d == best_d and seq[bid] < best_s):
                 best, best_d, best_s = bid, d, seq[bid]
+        return best
+
+    def _evicted(self, best: int) -> None:
+        """Block `best`, a free cached candidate, is evicted: out of the leaf structure, its hash into the
+        ghost list and its event into the observation window (or, without a hash, straight into the
+        histograms)."""
+        cls, rel, now, gran, top = self.cls, self.rel, self.now, self.gran, _N_AGE - 1
         self._leave_main(best)
         blk = self.blocks[best]
         assert blk is not None
@@ -271,7 +303,6 @@ class LHDPolicy(_Slots):
         self._since_refresh += 1
         if self._since_refresh >= self.refresh_every:
             self._refresh()
-        return blk
 
     def _censor(self, ev: tuple[int, int, int]) -> None:
         c, rel, t_ev = ev

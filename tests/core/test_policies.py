@@ -24,15 +24,15 @@ def run(mgr: KVCacheManager, rid: str, tokens: list[int]) -> tuple[list[int], in
 
 
 def test_registry_names_and_errors() -> None:
-    assert {"lru", "slru", "prefix", "reuse"} <= set(policy_names())
+    assert {"lru", "slru", "prefix", "reuse", "lhd", "adaptive"} <= set(policy_names())
     assert isinstance(make_policy("slru"), SLRUPolicy)
-    with pytest.raises(ValueError, match=r"eviction_policy: 'mru' is not one of \['lhd', 'lru', 'prefix'"):
+    with pytest.raises(ValueError, match=r"eviction_policy: 'mru' is not one of \['adaptive', 'lhd', 'lru', 'prefix'"):
         make_policy("mru")
     with pytest.raises(ValueError, match="host_eviction: 'mru' is not one of"):
         KVCacheManager(8, BS, num_host_blocks=4, host_eviction="mru")
 
 
-@pytest.mark.parametrize("policy", ["slru", "prefix", "reuse", "lhd"])
+@pytest.mark.parametrize("policy", ["slru", "prefix", "reuse", "lhd", "adaptive"])
 def test_empty_blocks_first_in_id_order_then_low_then_cached(policy: str) -> None:
     pool = DeviceBlockPool(6, eviction_policy=policy)
     assert pool.free_block_ids() == [1, 2, 3, 4, 5]
