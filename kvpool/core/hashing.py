@@ -47,6 +47,8 @@ def block_extra_keys(request: CacheRequest, start: int, end: int) -> ExtraKeys:
     keys: list[tuple[object, ...]] = []
     if request.lora_id is not None:
         keys.append(("lora", request.lora_id))
+        if request.lora_content is not None:
+            keys.append(("lora-content", request.lora_content))
     for m in request.mm_items:
         if m.offset >= end:
             break
@@ -69,6 +71,8 @@ def encode_extra_keys(keys: ExtraKeys) -> bytes:
                 out.append(b"Li" + struct.pack("<q", lora))
             else:
                 out.append(b"Ls" + _lp(str(lora).encode()))
+        elif kind == "lora-content":
+            out.append(b"Lc" + _lp(str(key[1]).encode()))
         elif kind == "mm":
             out.append(b"M" + _lp(str(key[1]).encode()) + struct.pack("<q", key[2]))
         elif kind == "salt":

@@ -51,6 +51,7 @@ class CacheRequest:
         *,
         hasher: BlockHasher | None = None,
         lora_id: int | str | None = None,
+        lora_content: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         cache_salt: str | None = None,
         num_encoder_tokens: int = 0,
@@ -67,6 +68,9 @@ class CacheRequest:
         self.shared_prefix_blocks = 0
         self.block_hashes: list[bytes] = []
         self.lora_id = lora_id
+        # The adapter's content digest, hashed with its name: a name that later (another replica, a
+        # restart: a store outlives both) stands for other weights never shares blocks with this one.
+        self.lora_content = lora_content
         self.mm_items = tuple(sorted(mm_items, key=lambda m: m.offset))
         for m in self.mm_items:
             if m.offset + m.length > self.num_prompt_tokens:

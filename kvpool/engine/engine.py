@@ -179,7 +179,9 @@ class LLMEngine:
             self.store = EngineStore(config.kv_store, self.kv, self.runner.host_kv_caches, self.model_dir, bs,
                                      deadline_s=config.kv_store_deadline_s, kv_layout=self.runner.kv_layout,
                                      host_pages=self.runner.host_pages, group_of_layer=layout.group_of_layer,
-                                     tensor_of_layer=layout.tensor_of_layer)
+                                     tensor_of_layer=layout.tensor_of_layer,
+                                     compute=str(self.runner.dtype).removeprefix("torch.")
+                                     + ("+batch-invariant" if config.batch_invariant else ""))
 
     def _pin_budget_blocks(self) -> int:
         """The blocks pinned prefixes may hold: `pin_budget` of the pool, but never so many that the longest
@@ -397,12 +399,14 @@ class LLMEngine:
             raise ValueError("stop: stop strings need the tokenizer to read the output (this engine was made with "
                              "skip_tokenizer_init=True); use stop_token_ids")
         prompt = normalize_prompt(prompt)
-        lora_name = None
+        lora_name = lora_content = None
         if lora_request is not None:
             if lora_id is not None:
                 raise ValueError("lora_request: give lora_request or lora_id, not both")
             self.add_lora(lora_request)
-            lora_name = lora_id = lora_request.lora_name  # its blocks are hashed under the adapter's name
+            # Its blocks are hashed under the adapter's name and the digest of its files.
+            lora_name = lora_id = lora_request.lora_name
+            lora_content = self.loras.content_digest(lora_name)  # type: ignore[union-attr]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -421,7 +425,7 @@ class LLMEngine:
         if prepared is not None:
             mm_items = prepared.items
         req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len, lora_id=lora_id, mm_items=mm_items,
+                      max_model_len=self.max_model_len, lora_id=lora_id, lora_content=lora_content, mm_items=mm_items,
                       cache_salt=cache_salt, prompt=text,
                       num_encoder_tokens=prepared.num_encoder_tokens if prepared is not None else 0)
         req.mm_inputs = prepared

@@ -1,9 +1,11 @@
 """`LoRARequest`: which PEFT adapter a request runs with (vLLM's shape), and `--lora-modules` parsing.
 
-The adapter's name is its identity everywhere: the key its cached KV blocks are hashed under (so blocks
-are shared between requests of one adapter and never across adapters, and a router or another replica
-computes the same hashes), the `model` a client sends, the entry in `/v1/models`. The integer id is
-vLLM's bookkeeping and is checked for consistency with the name, nothing more.
+The adapter's name is its identity to clients: the `model` a client sends, the entry in `/v1/models`, the
+LoRA name in KV events. Its cached KV blocks are hashed under the name and the digest of the adapter's
+files (`kvpool.runner.file_identity`), so blocks are shared between requests of one adapter and never
+across adapters, nor with another adapter that later carries the same name (on another replica, or after
+a restart, both of which a shared KV store outlives). The integer id is vLLM's bookkeeping and is
+checked for consistency with the name, nothing more.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from kvpool.runner.file_identity import files_digest
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class LoRARegistry:
     def __init__(self, manager: Any) -> None:
         self.manager = manager  # kvpool.runner.lora.LoRAManager
         self.requests: dict[str, LoRARequest] = {}
+        self.digests: dict[str, str] = {}  # name -> digest of the adapter's files
         self._lock = threading.Lock()
 
     def add(self, req: LoRARequest) -> str:
@@ -97,6 +103,13 @@ class LoRARegistry:
                     raise ValueError(f"lora_request: lora_int_id {req.lora_int_id} is already adapter "
                                      f"{other.lora_name!r}")
         self.manager.register(req.lora_name, req.lora_path)  # reads the folder: outside the lock
+        folder = Path(req.lora_path)
+        digest = files_digest([folder / "adapter_config.json", folder / "adapter_model.safetensors"])
         with self._lock:
             self.requests.setdefault(req.lora_name, req)
+            self.digests.setdefault(req.lora_name, digest)
         return req.lora_name
+
+    def content_digest(self, name: str) -> str:
+        """The digest of a registered adapter's files (hashed into its blocks with its name)."""
+        return self.digests[name]

@@ -51,10 +51,11 @@ class Request(CacheRequest):
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
                  hasher: BlockHasher | None = None, eos_token_ids: Sequence[int] = (),
                  max_model_len: int | None = None, lora_id: int | str | None = None,
-                 mm_items: Sequence[MultiModalItem] = (), cache_salt: str | None = None,
-                 prompt: str | None = None, arrival_time: float | None = None, num_encoder_tokens: int = 0) -> None:
-        super().__init__(request_id, prompt_token_ids, hasher=hasher, lora_id=lora_id, mm_items=mm_items,
-                         cache_salt=cache_salt, num_encoder_tokens=num_encoder_tokens)
+                 lora_content: str | None = None, mm_items: Sequence[MultiModalItem] = (),
+                 cache_salt: str | None = None, prompt: str | None = None, arrival_time: float | None = None,
+                 num_encoder_tokens: int = 0) -> None:
+        super().__init__(request_id, prompt_token_ids, hasher=hasher, lora_id=lora_id, lora_content=lora_content,
+                         mm_items=mm_items, cache_salt=cache_salt, num_encoder_tokens=num_encoder_tokens)
         self.sampling_params = sampling_params
         self.prompt = prompt
         self.status = RequestStatus.WAITING

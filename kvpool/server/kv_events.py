@@ -51,6 +51,8 @@ def _untagged(keys: tuple[tuple[object, ...], ...]) -> tuple[Any, ...] | None:
     for k in keys:
         if k[0] == "mm":
             out.append([k[1], k[2]])
+        elif k[0] == "lora-content":
+            continue  # (kvpool's own: vLLM's keys name the adapter only)
         else:
             out.append(k[1])
     return tuple(out) or None

@@ -29,6 +29,8 @@ from typing import Any
 
 import xxhash
 
+from kvpool.runner.file_identity import files_digest
+
 log = logging.getLogger(__name__)
 
 # Bumped whenever the value layout or the meaning of a payload changes: old values become unreachable.
@@ -61,6 +63,9 @@ class Fingerprint:
     # their group in the key (the host tier's group_key) and whose `layout` names every group.
     group: int = 0
     layout: str = ""  # page layout of the group: layers, K/V shape per block, byte order
+    # How the KV was computed, beyond the weights: the model's dtype (fp32 weights over a bf16 cache give
+    # other bytes than bf16 weights) and whether the kernels were the batch-invariant ones.
+    compute: str = ""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -73,34 +78,22 @@ class Fingerprint:
     def digest(self) -> bytes:
         """16 bytes; a canonical encoding of the fields (never repr/pickle, stable across processes)."""
         text = "\x1f".join([self.model, self.dtype, str(self.block_size), str(self.group), self.layout,
-                            str(self.format_version)])
+                            str(self.format_version), self.compute])
         return hashlib.sha256(b"kvpool/store-fingerprint\x00" + text.encode()).digest()[:16]
 
     def key(self, block_hash: bytes) -> bytes:
         return b"kvpool:" + self.digest.hex().encode() + b":" + block_hash.hex().encode()
 
 
-def model_identity(model_dir: str | Path, sample_bytes: int = 1 << 16) -> str:
-    """A digest standing for the model's weights: config, and for each weight file its name, size and its
-    first and last `sample_bytes`. Hashing whole multi-GB files at every start would cost seconds; a
-    fine-tune or re-quantization changes the safetensors header (first bytes) and the size or the tail."""
+def model_identity(model_dir: str | Path) -> str:
+    """A digest standing for the model: its config and every byte of each weight file
+    (`kvpool.runner.file_identity`: read once, then remembered while the files' stat is unchanged). A
+    sample of each file would not do: a fine-tune of one tensor in the middle of a file changes neither
+    its size nor its header nor its last bytes, and would read the original's KV (wrong tokens)."""
     root = Path(model_dir)
-    h = hashlib.sha256()
-    for name in ("config.json",):
-        p = root / name
-        if p.is_file():
-            h.update(name.encode() + b"\x00" + p.read_bytes())
-    for p in sorted(root.iterdir()):
-        if p.suffix not in (".safetensors", ".gguf", ".bin", ".pt"):
-            continue
-        size = p.stat().st_size
-        h.update(p.name.encode() + b"\x00" + str(size).encode())
-        with p.open("rb") as f:
-            h.update(f.read(sample_bytes))
-            if size > sample_bytes:
-                f.seek(max(sample_bytes, size - sample_bytes))
-                h.update(f.read(sample_bytes))
-    return h.hexdigest()[:32]
+    files = [root / "config.json"] if (root / "config.json").is_file() else []
+    files += [p for p in sorted(root.iterdir()) if p.suffix in (".safetensors", ".gguf", ".bin", ".pt")]
+    return files_digest(files)
 
 
 def encode_value(fp: Fingerprint, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:

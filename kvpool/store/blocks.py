@@ -83,9 +83,9 @@ def scatter(caches: Caches, block_ids: Sequence[int], payloads: Sequence[bytes])
 
 
 def fingerprint(model_dir: str | Path, caches: Caches, block_size: int, group: int = 0, *,
-                kv_layout: str = "standard") -> Fingerprint:
+                kv_layout: str = "standard", compute: str = "") -> Fingerprint:
     return Fingerprint(model=model_identity(model_dir), dtype=str(caches[0][0].dtype).removeprefix("torch."),
-                       block_size=block_size, group=group, layout=layout(caches, kv_layout))
+                       block_size=block_size, group=group, layout=layout(caches, kv_layout), compute=compute)
 
 
 Slots = Sequence[torch.Tensor]

@@ -46,11 +46,12 @@ log = logging.getLogger(__name__)
 class EngineStore:
     def __init__(self, url: str, kv: KVCacheManager, host_caches: Any, model_dir: Path, block_size: int, *,
                  deadline_s: float = 2.0, kv_layout: str = "standard", host_pages: Sequence[Any] = (),
-                 group_of_layer: Sequence[int] = (), tensor_of_layer: Sequence[int] = ()) -> None:
+                 group_of_layer: Sequence[int] = (), tensor_of_layer: Sequence[int] = (), compute: str = "") -> None:
         """`host_caches`: the runner's one-page-size host tensors (`host_kv_caches`); `host_pages`: a
         two-level host tier's per-page-type slot tensors (`host_pages`). `group_of_layer` /
         `tensor_of_layer` (the runner's `LayerLayout`) name each group's layers for the fingerprint of a
-        multi-group model."""
+        multi-group model. `compute`: how the engine computes KV beyond its weights (model dtype, kernels),
+        part of the fingerprint."""
         if kv.host is None or not (host_caches or host_pages):
             raise ValueError("kv_store: the store sits below the host tier; give the engine one (--swap-space)")
         if deadline_s <= 0:
@@ -62,7 +63,7 @@ class EngineStore:
         # One group on one host pool: the original path (its keys and fingerprint unchanged).
         self.hybrid = kv.num_groups != 1 or kv.host.typed or len(kv.host.pools) != 1
         if not self.hybrid:
-            fp = fingerprint(model_dir, host_caches, block_size, kv_layout=kv_layout)
+            fp = fingerprint(model_dir, host_caches, block_size, kv_layout=kv_layout, compute=compute)
             block_bytes = block_nbytes(host_caches)
         else:
             # One HostPages per page type of the host tier, in its order.
@@ -76,7 +77,7 @@ class EngineStore:
             self.rules = [HitRule.of(s) for s in kv.specs]
             dtype = host_pages[0][0].dtype if kv.host.typed else host_caches[0][0].dtype
             fp = hybrid_fingerprint(model_dir, dtype, block_size, kv.specs, group_of_layer, tensor_of_layer,
-                                    kv.page_type, self.pages)
+                                    kv.page_type, self.pages, compute)
             block_bytes = max(p.nbytes for p in self.pages)
         self.tier = StoreTier(StoreWorker(BlockStore(open_store(url), fp)), deadline_s=deadline_s,
                               block_bytes=block_bytes)

@@ -182,11 +182,11 @@ def group_layout(specs: Sequence[KVCacheSpec], group_of_layer: Sequence[int], te
 
 def hybrid_fingerprint(model_dir: str | Path, dtype: torch.dtype, block_size: int, specs: Sequence[KVCacheSpec],
                        group_of_layer: Sequence[int], tensor_of_layer: Sequence[int], page_type: Sequence[int],
-                       pages: Sequence[HostPages]) -> Fingerprint:
+                       pages: Sequence[HostPages], compute: str = "") -> Fingerprint:
     # group=-1: the value's group is in its key (the host tier's group_key), every group in the layout.
     return Fingerprint(model=model_identity(model_dir), dtype=str(dtype).removeprefix("torch."),
                        block_size=block_size, group=-1,
-                       layout=group_layout(specs, group_of_layer, tensor_of_layer, page_type, pages))
+                       layout=group_layout(specs, group_of_layer, tensor_of_layer, page_type, pages), compute=compute)
 
 
 @dataclass
