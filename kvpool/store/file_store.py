@@ -17,6 +17,17 @@ from pathlib import Path
 
 from kvpool.store.base import KVStore, StoreError
 
+# Errors of one file or of the directory's permissions: the store answered and refused (a write), or has
+# no usable value for that key (a read). Neither means the store is down: backing off and probing again
+# would only repeat them (and log them) forever.
+_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
 
 class FileStore(KVStore):
     def __init__(self, root: str | Path) -> None:
@@ -26,6 +37,9 @@ class FileStore(KVStore):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"kv_store: cannot create the store directory {self.root}: {e}") from None
+        # Files as any other file this process creates (mkstemp's are 0600): replicas of other users
+        # sharing the directory read them, as the umask allows.
+        self.mode = 0o666 & ~_umask()
 
     def _path(self, key: bytes) -> Path:
         name = key.decode().replace(":", "_")
@@ -39,6 +53,7 @@ class FileStore(KVStore):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
                 try:
+                    os.fchmod(fd, self.mode)
                     with os.fdopen(fd, "wb") as f:
                         f.write(value)
                     os.replace(tmp, path)
@@ -47,8 +62,8 @@ class FileStore(KVStore):
                         os.unlink(tmp)
                     raise
         except OSError as e:
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            raise StoreError(f"{'full' if full else 'I/O error'}: {e}", refused=full) from e
+            refused = e.errno in _REFUSED
+            raise StoreError(f"{'refused' if refused else 'I/O error'}: {e}", refused=refused) from e
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -58,8 +73,16 @@ class FileStore(KVStore):
             except FileNotFoundError:
                 out.append(None)
             except OSError as e:
+                if e.errno in _REFUSED:
+                    out.append(None)  # one file this process may not read: a miss for that key only
+                    continue
                 raise StoreError(f"I/O error: {e}") from e
         return out
+
+    def ping(self) -> None:
+        """The directory is there and searchable (a store whose disk went away is down)."""
+        if not os.access(self.root, os.X_OK) or not self.root.is_dir():
+            raise StoreError(f"the store directory {self.root} is gone or not searchable")
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [self._path(k).is_file() for k in keys]

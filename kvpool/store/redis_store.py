@@ -11,7 +11,7 @@ simply not stored (configure the server with `maxmemory` and `maxmemory-policy a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from kvpool.store.base import KVStore, StoreError
 
@@ -30,22 +30,33 @@ class RedisStore(KVStore):
             port = u.port or 6379
         except ValueError as e:  # urllib's "Port out of range 0-65535"
             raise ValueError(f"kv_store: {url!r}: {e}") from None
-        q = parse_qs(u.query)
+        q = parse_qs(u.query, keep_blank_values=True)
+        unknown = sorted(set(q) - {"ttl"})
+        if unknown:
+            raise ValueError(f"kv_store: unknown option(s) {unknown} in {url!r} (the only one is ttl=SECONDS)")
         if "ttl" in q:
             try:
                 ttl_s = int(q["ttl"][0])
             except ValueError:
                 raise ValueError(f"kv_store: ttl={q['ttl'][0]!r} is not a whole number of seconds") from None
+            if ttl_s < 1:  # (the server refuses every SET with a zero or negative expiry)
+                raise ValueError(f"kv_store: ttl must be >= 1 second, got {ttl_s}")
         try:
             db = int(u.path.strip("/") or 0)
         except ValueError:
             raise ValueError(f"kv_store: database {u.path!r} is not a number") from None
+        if db < 0:
+            raise ValueError(f"kv_store: database must be >= 0, got {db}")
         self.url = f"redis://{u.hostname}:{port}/{db}"
         self.ttl_s = ttl_s
         self._errors = (redis.RedisError, OSError)
         self._refusals = (redis.ResponseError,)
-        self.client = redis.Redis(host=u.hostname, port=port, db=db, password=u.password,
-                                  username=u.username, socket_timeout=timeout_s,
+        # Credentials are percent-encoded in a URL (RFC 3986; a password with '@' or ':' must be): decoded
+        # here as redis-py's own from_url decodes them.
+        self.client = redis.Redis(host=u.hostname, port=port, db=db,
+                                  password=unquote(u.password) if u.password is not None else None,
+                                  username=unquote(u.username) if u.username is not None else None,
+                                  socket_timeout=timeout_s,
                                   socket_connect_timeout=connect_timeout_s,
                                   # No retries inside a call: BlockStore backs off and tries again later.
                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)

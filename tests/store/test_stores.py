@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -104,9 +105,103 @@ def test_file_store_writes_are_atomic(tmp_path: Path) -> None:
 
 
 def test_bad_urls_name_the_field() -> None:
-    for url in ("nowhere", "s3://bucket/x", "file://host/x", "redis://:6379", "redis://nohost:99999"):
-        with pytest.raises(ValueError, match=r"^kv_store: "):
+    for url, why in (("nowhere", "not a URL"), ("s3://bucket/x", "unknown scheme"), ("file://host/x", "local path"),
+                     ("redis://:6379", "no host"), ("redis://nohost:99999", "out of range"),
+                     ("redis://h:1/0?ttl=0", "ttl must be >= 1"), ("redis://h:1/0?ttl=-5", "ttl must be >= 1"),
+                     ("redis://h:1/-1", "database must be >= 0"),
+                     ("redis://h:1/0?tl=5", r"unknown option\(s\) \['tl'\]")):
+        with pytest.raises(ValueError, match=rf"^kv_store: .*{why}"):
             open_store(url)
+
+
+def test_percent_encoded_credentials_reach_the_server(redis_server: RedisServer) -> None:
+    """A password with '@' is written %40 in a URL; the server must get the password itself."""
+    redis_py.Redis(port=redis_server.port).execute_command("CONFIG", "SET", "requirepass", "p@ss:w")
+    store = open_store(f"redis://:p%40ss%3Aw@127.0.0.1:{redis_server.port}/0")
+    store.ping()  # (raises StoreError on a failed AUTH)
+    store.close()
+
+
+def test_file_store_files_follow_the_umask_so_other_users_can_read_them(tmp_path: Path) -> None:
+    fs = FileStore(tmp_path)
+    BlockStore(fs, FP).put(blocks(1))
+    (f,) = [p for p in tmp_path.rglob("*") if p.is_file()]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert f.stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_file_store_permission_errors_are_refusals_and_misses_not_an_outage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory this user may not write, or one file it may not read (another user's, as root never
+    sees in a test: raised here), is not a store that is down: no back-off, no reconnect log loop."""
+    bs = BlockStore(FileStore(tmp_path), FP)
+    data = blocks(2)
+    bs.put(data)
+    unreadable = bs.store._path(FP.key(data[0][0]))  # type: ignore[attr-defined]
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == unreadable:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert bs.get([h for h, _ in data]) == [None, data[1][1]] and bs.available
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+    assert not bs.put(blocks(1, salt=b"x"))
+    assert bs.available and bs.stats.errors == 1  # refused (no back-off): reads go on
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_worker_merges_queued_reads_into_one_round_trip(tmp_path: Path) -> None:
+    """Reads queued while the worker is busy go out together, each block once: a burst of requests on a
+    slow store costs one round trip, not one each in a row."""
+    data = blocks(6)
+    BlockStore(FileStore(tmp_path), FP).put(data)
+    calls: list[int] = []
+    busy = threading.Event()
+
+    class Counting(FileStore):
+        def put_many(self, items):  # type: ignore[no-untyped-def]
+            busy.wait(5)  # holds the worker while the reads queue up
+            super().put_many(items)
+
+        def get_many(self, keys):  # type: ignore[no-untyped-def]
+            calls.append(len(keys))
+            return super().get_many(keys)
+
+    w = StoreWorker(BlockStore(Counting(tmp_path), FP))
+    w.write(blocks(1, salt=b"w"))
+    time.sleep(0.2)
+    hs = [h for h, _ in data]
+    futs = [w.fetch(hs[i:i + 3]) for i in range(4)]  # overlapping: blocks 0-5, some asked twice
+    busy.set()
+    assert [f.result(5) for f in futs] == [[p for _, p in data[i:i + 3]] for i in range(4)]
+    assert calls == [6]
+    w.close()
+
+
+def test_worker_bounds_its_write_queue_in_bytes_and_counts_only_dropped_blocks(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    class Held(FileStore):
+        def put_many(self, items):  # type: ignore[no-untyped-def]
+            gate.wait(5)
+            super().put_many(items)
+
+    w = StoreWorker(BlockStore(Held(tmp_path), FP), max_pending_bytes=4 * 4096, max_batch=1)
+    first = blocks(1, salt=b"first")
+    assert w.write(first) == 1
+    time.sleep(0.2)  # the worker takes it and waits at the gate
+    # The block being written still holds its bytes: 3 more fit.
+    assert w.write(blocks(5)) == 3 and w.stats.dropped_puts == 2
+    # Again: the 4 queued already are not counted, the 2 that did not fit are dropped again.
+    assert w.write(first + blocks(5)) == 0 and w.stats.dropped_puts == 4
+    gate.set()
+    assert w.flush(5)
+    assert w.write(blocks(5, salt=b"later")) == 4  # room again once written
+    w.close()
 
 
 def test_killed_server_gives_misses_then_reconnects(redis_server: RedisServer) -> None:
