@@ -23,7 +23,9 @@ checksum; never a hit that one group cannot serve.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,6 +85,18 @@ class EngineStore:
                               block_bytes=block_bytes)
         self.url = url
         self._held: OrderedDict[str, Any] = OrderedDict()
+        # Writes still queued at exit are flushed (for a few seconds at most): a replica restarted right
+        # after it stopped gets its last blocks back from the store. A weak reference: registering does not
+        # keep an engine alive.
+        ref = weakref.ref(self)
+
+        def close_at_exit() -> None:
+            me = ref()
+            if me is not None:
+                me.close()
+
+        self._close_at_exit = close_at_exit
+        atexit.register(close_at_exit)
         log.info("KV store tier: %s (fingerprint %s%s)", url, fp.digest.hex(),
                  f", {kv.num_groups} layer groups on {len(kv.host.pools)} host page types" if self.hybrid else "")
 
@@ -188,6 +202,8 @@ class EngineStore:
         return self._held.pop(request_id, None)
 
     def close(self) -> None:
+        """Write what is queued (a few seconds at most), then stop the worker."""
+        atexit.unregister(self._close_at_exit)
         self.tier.close()
 
 
@@ -228,3 +244,5 @@ class StoreCollector:
         yield counter("request_deadlines", "Requests that stopped waiting for the store.", tier.requests_timed_out)
         yield gauge("requests_waiting", "Requests waiting for their store reads.", self.store.num_held())
         yield gauge("available", "1 while the store answers, 0 while backing off.", float(tier.worker.store.available))
+        yield gauge("slow", "1 while store reads miss the deadline and requests do not wait for them.",
+                    float(tier.slow))

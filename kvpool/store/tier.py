@@ -15,7 +15,10 @@ peers shape this:
   versus the caller's estimate of the recompute time decides whether to read at all;
 - no request may wait behind another's load (vLLM issue 44294: a shared in-flight load serialised
   concurrent requests, 12x TTFT): a hash already being read is not read twice, but every request keeps its
-  own deadline, so sharing a read never makes anyone wait longer than its own budget.
+  own deadline, so sharing a read never makes anyone wait longer than its own budget;
+- a store slower than the deadline must not cost every request its whole deadline: after `SLOW_AFTER`
+  requests in a row waited in vain, requests stop waiting (one read at a time still goes out, so blocks
+  keep landing for later requests), until a read comes back within the deadline again.
 Landed payloads are written into host blocks (`HostBlockPool.shelter`, pinned while written, then
 released), so the ordinary lookup finds them as host hits and swaps them in.
 
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 class _Fetch:
     hashes: list[bytes]
     future: Future[list[Any]]  # per hash a payload (opaque here: the sink knows it) or None for a miss
+    started: float
     chain: bool = True  # a prefix chain: blocks after a miss are no use as a prefix and are not landed
 
 
@@ -54,6 +58,8 @@ class _Waiter:
 
 
 class StoreTier:
+    SLOW_AFTER = 3  # requests in a row whose deadline passed before their read landed
+
     def __init__(self, worker: StoreWorker, *, deadline_s: float = 2.0, block_bytes: int = 0,
                  recompute_s_per_block: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
@@ -70,6 +76,8 @@ class StoreTier:
         self.reads_skipped_slow = 0
         self.requests_waited = 0
         self.requests_timed_out = 0
+        self._late = 0  # requests in a row whose deadline passed before their read landed
+        self.slow = False  # the store answers slower than the deadline: requests do not wait on it
 
     @property
     def stats(self) -> Any:
@@ -104,6 +112,9 @@ class StoreTier:
         want = list(hashes)
         if not want or not self.worker.store.available:
             return False  # nothing to read, or the store is known down: no request waits on it
+        if self.slow:
+            self._read_behind(want, lambda new: self.worker.fetch(new), chain=True)
+            return False
         if self.recompute_s_per_block is not None and self.block_bytes:
             est = self.stats.estimate_fetch_s(len(want) * self.block_bytes)
             if est is not None and est > self.recompute_s_per_block * len(want):
@@ -111,11 +122,20 @@ class StoreTier:
                 return False
         new = [h for h in want if h not in self._fetching]
         if new:
-            self._fetches.append(_Fetch(new, self.worker.fetch(new)))
+            self._fetches.append(_Fetch(new, self.worker.fetch(new), self.clock()))
             self._fetching.update(new)
         self._waiters[request_id] = _Waiter(want, self.clock() + self.deadline_s)
         self.requests_waited += 1
         return True
+
+    def _read_behind(self, want: list[bytes], read: Callable[[list[bytes]], Future[list[Any]]], chain: bool) -> None:
+        """A slow store: no request waits, and one read at a time goes out for blocks to land for later
+        requests (and to find out when the store is fast again)."""
+        self.reads_skipped_slow += 1
+        new = [h for h in want if h not in self._fetching]
+        if new and not self._fetches:
+            self._fetches.append(_Fetch(new, read(new), self.clock(), chain=chain))
+            self._fetching.update(new)
 
     def request_arrived_with(self, request_id: str, keys: Sequence[bytes],
                              make_job: Callable[[list[bytes]], Callable[[Any], list[Any]]]) -> bool:
@@ -126,9 +146,13 @@ class StoreTier:
         want = list(keys)
         if not want or not self.worker.store.available:
             return False
+        if self.slow:
+            self._read_behind(want, lambda owned: self.worker.submit(make_job(owned), [None] * len(owned)), chain=False)
+            return False
         owned = [k for k in want if k not in self._fetching]
         if owned:
-            self._fetches.append(_Fetch(owned, self.worker.submit(make_job(owned), [None] * len(owned)), chain=False))
+            self._fetches.append(_Fetch(owned, self.worker.submit(make_job(owned), [None] * len(owned)), self.clock(),
+                                        chain=False))
             self._fetching.update(owned)
         self._waiters[request_id] = _Waiter(want, self.clock() + self.deadline_s)
         self.requests_waited += 1
@@ -164,6 +188,13 @@ class StoreTier:
                 still.append(f)
                 continue
             self._fetching.difference_update(f.hashes)
+            if self.clock() - f.started <= self.deadline_s:
+                # Back within a deadline (seen at the first step after it came: a step late at most).
+                if self.slow:
+                    log.warning("KV store reads are back within the %.1fs deadline; requests wait for them again",
+                                self.deadline_s)
+                self.slow = False
+                self._late = 0
             try:
                 payloads = f.future.result()
             except Exception:  # the worker already logged it; a failed read is a miss
@@ -188,10 +219,16 @@ class StoreTier:
             return True
         if not any(h in self._fetching for h in w.hashes):
             del self._waiters[request_id]
+            self._late = 0
             return True
         if self.clock() >= w.deadline:
             del self._waiters[request_id]
             self.requests_timed_out += 1
+            self._late += 1
+            if self._late >= self.SLOW_AFTER and not self.slow:
+                self.slow = True
+                log.warning("KV store reads keep missing the %.1fs deadline (%d requests in a row); requests stop "
+                            "waiting for them until one comes back in time", self.deadline_s, self._late)
             return True
         return False
 

@@ -3,8 +3,10 @@
 The engine thread only enqueues: `write` hands over (hash, payload) pairs (the caller has already copied
 the bytes out of any buffer a later swap could overwrite) and `fetch` returns a Future at once (`submit`
 runs any read job the same way: hybrid models probe with EXISTS, decide, then read, in one job). The
-thread merges queued writes into one round trip and serves fetches before writes, since a waiting
-request is waiting on a fetch while a write only helps some later request. When the write queue is full
+thread merges queued writes into one round trip, and queued fetches into one read (a slow store must not
+serve a burst of requests one round trip each, each waiting behind the others), and serves fetches before
+writes, since a waiting request is waiting on a fetch while a write only helps some later request. The
+write queue is bounded in blocks and in bytes (a block of a large model is tens of MiB); when it is full
 the new blocks are dropped and counted (a slow store must not grow memory without bound, nor make the
 engine wait), which is the same as a miss later. A closed worker answers every fetch with misses.
 """
@@ -27,13 +29,20 @@ Payload = bytes | bytearray | memoryview
 
 
 class StoreWorker:
-    def __init__(self, store: BlockStore, *, max_pending_writes: int = 4096, max_batch: int = 64) -> None:
+    def __init__(self, store: BlockStore, *, max_pending_writes: int = 4096, max_pending_bytes: int = 256 << 20,
+                 max_batch: int = 64, max_read_blocks: int = 256) -> None:
         self.store = store
         self.max_pending_writes = max_pending_writes
+        self.max_pending_bytes = max_pending_bytes
         self.max_batch = max_batch
+        self.max_read_blocks = max_read_blocks  # blocks one merged read asks for at most
         self._writes: deque[tuple[bytes, Payload]] = deque()
-        # Read jobs (a callable given the BlockStore) and their futures; None wakes the thread to exit.
-        self._fetches: queue.SimpleQueue[tuple[Callable[[BlockStore], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._pending_bytes = 0
+        # Read jobs and their futures: (job, future, None), a job being a callable given the BlockStore, or
+        # (None, future, hashes) for a plain read of blocks (merged with the other queued ones); None wakes
+        # the thread to exit.
+        self._fetches: queue.SimpleQueue[tuple[Callable[[BlockStore], Any] | None, Future[Any], list[bytes] | None]
+                                         | None] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._closed = False
         self._inflight: set[bytes] = set()  # hashes queued or being written: no duplicate writes
@@ -46,26 +55,37 @@ class StoreWorker:
 
     def write(self, blocks: Sequence[tuple[bytes, Payload]]) -> int:
         """Queue blocks for writing; returns how many were queued (the rest were dropped: queue full)."""
-        queued = 0
+        queued = dropped = 0
         with self._cv:
             if self._closed:
                 return 0
             for h, p in blocks:
                 if h in self._inflight:
+                    continue  # (queued already: neither queued again nor dropped)
+                n = len(p)
+                if len(self._writes) >= self.max_pending_writes or self._pending_bytes + n > self.max_pending_bytes:
+                    dropped += 1
                     continue
-                if len(self._writes) >= self.max_pending_writes:
-                    self.store.stats.add(dropped_puts=len(blocks) - queued)
-                    break
                 self._writes.append((h, p))
                 self._inflight.add(h)
+                self._pending_bytes += n
                 queued += 1
+            if dropped:
+                self.store.stats.add(dropped_puts=dropped)
             self._cv.notify()
         return queued
 
     def fetch(self, hashes: Sequence[bytes]) -> Future[list[bytes | None]]:
         """Payloads of the blocks (None per miss), read in one round trip on the worker thread."""
         want = list(hashes)
-        return self.submit(lambda store: store.get(want), [None] * len(want))
+        fut: Future[list[bytes | None]] = Future()
+        if self._closed:
+            fut.set_result([None] * len(want))
+            return fut
+        self._fetches.put((None, fut, want))
+        with self._cv:
+            self._cv.notify()
+        return fut
 
     def submit(self, job: Callable[[BlockStore], Any], if_closed: Any) -> Future[Any]:
         """Run a read job on the worker thread (before any queued write); `if_closed` is the answer of a
@@ -74,7 +94,7 @@ class StoreWorker:
         if self._closed:
             fut.set_result(if_closed)
             return fut
-        self._fetches.put((job, fut))
+        self._fetches.put((job, fut, None))
         with self._cv:
             self._cv.notify()
         return fut
@@ -112,6 +132,7 @@ class StoreWorker:
                 self.store.probe()
                 continue
             # Fetches first: a request is waiting on them.
+            reads: list[tuple[Future[Any], list[bytes]]] = []
             while True:
                 try:
                     job = self._fetches.get_nowait()
@@ -119,12 +140,16 @@ class StoreWorker:
                     break
                 if job is None:
                     continue
-                fn, fut = job
+                fn, fut, want = job
+                if want is not None:
+                    reads.append((fut, want))
+                    continue
                 try:
-                    fut.set_result(fn(self.store))
+                    fut.set_result(fn(self.store))  # type: ignore[misc]
                 except Exception as e:  # never let one bad call kill the thread
                     log.exception("KV store fetch failed")
                     fut.set_exception(e)
+            self._read_merged(reads)
             with self._cv:
                 batch = [self._writes.popleft() for _ in range(min(self.max_batch, len(self._writes)))]
             if batch:
@@ -133,6 +158,25 @@ class StoreWorker:
                 except Exception:
                     log.exception("KV store write failed")
                 with self._cv:
-                    for h, _ in batch:
+                    for h, p in batch:
                         self._inflight.discard(h)
+                        self._pending_bytes -= len(p)
                     self._cv.notify_all()
+
+    def _read_merged(self, reads: list[tuple[Future[Any], list[bytes]]]) -> None:
+        """Every queued plain read in as few round trips as `max_read_blocks` allows, each block once."""
+        if not reads:
+            return
+        order = list(dict.fromkeys(h for _, want in reads for h in want))
+        got: dict[bytes, bytes | None] = {}
+        try:
+            for i in range(0, len(order), self.max_read_blocks):
+                part = order[i:i + self.max_read_blocks]
+                got.update(zip(part, self.store.get(part), strict=True))
+        except Exception as e:  # never let one bad call kill the thread
+            log.exception("KV store fetch failed")
+            for fut, _ in reads:
+                fut.set_exception(e)
+            return
+        for fut, want in reads:
+            fut.set_result([got[h] for h in want])

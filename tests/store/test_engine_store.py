@@ -6,6 +6,8 @@ wrong tokens; a request waiting on a slow store computes after its deadline."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,23 @@ def test_frozen_store_costs_a_deadline_not_a_failure(tiny_llama_dir: Path, redis
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
     llm.engine.store.close()
+
+
+def test_writes_queued_at_exit_reach_the_store(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A replica that exits without closing its engine still writes what it had queued (for a few
+    seconds at most): restarted right after, it gets those blocks back."""
+    script = f"""
+import random
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", skip_tokenizer_init=True, block_size={BS}, num_blocks=64,
+          num_host_blocks=64, write_through=True, kv_store="file://{tmp_path}/store")
+rng = random.Random(0)
+llm.generate([[rng.randrange(256) for _ in range(61)] for _ in range(3)], SamplingParams.greedy(2), use_tqdm=False)
+print("queued", llm.engine.store.tier.blocks_written)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    queued = int(out.stdout.split()[-1])
+    assert queued > 0
+    assert len([p for p in (tmp_path / "store").rglob("*") if p.is_file()]) == queued

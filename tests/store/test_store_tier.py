@@ -10,6 +10,7 @@ missing block; two requests for the same blocks share one read; a store slower t
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from pathlib import Path
 
@@ -128,4 +129,38 @@ def test_store_slower_than_recompute_is_not_read(tmp_path: Path) -> None:
     t.request_arrived("warm", H[:2])  # the first read measures the store
     land_all(t, HostBlockPool(4), cs)
     assert not t.request_arrived("r", H[:2]) and t.reads_skipped_slow == 1
+    t.close()
+
+
+def test_a_store_slower_than_the_deadline_stops_holding_requests_until_it_is_fast_again(tmp_path: Path) -> None:
+    """After SLOW_AFTER requests in a row waited in vain, requests do not wait; one read still goes out
+    behind them, and a read back within the deadline makes requests wait again."""
+    url = f"file://{tmp_path}"
+    write_replica(url, H[:6])
+    gate = threading.Event()
+
+    class Slow(FileStore):
+        def get_many(self, keys):  # type: ignore[no-untyped-def]
+            gate.wait(1.0)
+            return super().get_many(keys)
+
+    now = [0.0]
+    pool, cs = HostBlockPool(8), caches(8, fill=False)
+    t = StoreTier(StoreWorker(BlockStore(Slow(tmp_path), FP)), deadline_s=0.5, clock=lambda: now[0])
+    for i in range(StoreTier.SLOW_AFTER):
+        assert t.request_arrived(f"r{i}", H[2 * i:2 * i + 2])
+        now[0] += 0.6
+        assert t.ready(f"r{i}")
+    assert t.slow and t.requests_timed_out == StoreTier.SLOW_AFTER
+    # Slow: no wait, and no second read queued while one is out.
+    fetches = len(t._fetches)
+    assert not t.request_arrived("late", H[:2]) and t.ready("late") and len(t._fetches) == fetches
+    gate.set()  # the store answers at once from now on
+    land_all(t, pool, cs)  # the reads that were late land, but late: still slow
+    assert t.slow
+    assert not t.request_arrived("next", [hashlib.sha256(b"absent").digest()])  # one read goes out behind it
+    assert len(t._fetches) == 1
+    land_all(t, pool, cs)  # ... and comes back at once (the clock did not move)
+    assert not t.slow  # back within the deadline: requests wait again
+    assert t.request_arrived("r", [hashlib.sha256(b"absent2").digest()])
     t.close()
