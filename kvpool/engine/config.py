@@ -217,6 +217,11 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         if self.hash_seed is not None and not isinstance(self.hash_seed, str | bytes):
             raise ValueError(f"hash_seed: must be a string, bytes or None, got {self.hash_seed!r}")
+        if self.kv_store and self.stage_outputs:
+            # A block read from the store brings its K/V, not the stage outputs of its tokens: the prefix's
+            # hidden states would come back empty.
+            raise ValueError("kv_store: the store tier does not keep stage outputs; a prefix read from it would "
+                             "have none. Use kv_store or stage_outputs, not both")
 
     def swap_space_bytes(self) -> int:
         if self.swap_space in (0, "0", 0.0, None):

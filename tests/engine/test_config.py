@@ -135,6 +135,8 @@ def test_the_pin_budget_is_a_flag_and_a_fraction() -> None:
     (dict(stage_outputs=0), r"^stage_outputs: must be True or False"),
     (dict(hash_seed=5), r"^hash_seed: must be a string, bytes or None, got 5"),
     (dict(hash_seed=["a"]), r"^hash_seed: must be a string, bytes or None"),
+    # A prefix read from the store has no stage outputs: the two together gave zeros for its hidden states.
+    (dict(kv_store="file:///tmp/x", stage_outputs=True), r"^kv_store: the store tier does not keep stage outputs"),
 ])
 def test_every_switch_and_the_hash_seed_are_checked(kw: dict, message: str) -> None:
     """Every bool option of every section is checked: "no" must not leave a switch on."""
