@@ -27,7 +27,7 @@ from kvpool.core.kv_cache_spec import MambaSpec
 from kvpool.core.pins import Pin, PinSet, PrefixNotCached
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.core.stats import PrefixCacheStats
-from kvpool.engine.config import EngineConfig, parse_size
+from kvpool.engine.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig, parse_size
 from kvpool.engine.lora_request import LoRARegistry, LoRARequest
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.prompts import normalize_prompt
@@ -88,6 +88,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kw: Any) -> None:
         config = config or EngineConfig(**kw)
         config.validate()
+        if config.max_num_batched_tokens is None:  # (LLM gives the offline default; a server has this one)
+            config.max_num_batched_tokens = SERVING_MAX_NUM_BATCHED_TOKENS
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = None

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.core.pins import Pin, PrefixNotCached
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
@@ -20,6 +20,8 @@ Messages = list[dict[str, str]]
 
 class LLM:
     def __init__(self, model: str | None = None, *, enable_prefix_caching: bool = True, **kw: Any) -> None:
+        if kw.get("max_num_batched_tokens") is None:
+            kw["max_num_batched_tokens"] = OFFLINE_MAX_NUM_BATCHED_TOKENS  # offline: throughput first
         self.engine = LLMEngine(EngineConfig(model=model, enable_prefix_caching=enable_prefix_caching, **kw))
 
     @classmethod

@@ -223,3 +223,19 @@ def test_stop_strings_need_the_tokenizer_and_n_is_the_int_one(llm: LLM) -> None:
         with pytest.raises(ValueError, match=r"^n: only n=1 is supported"):
             SamplingParams(n=n)  # type: ignore[arg-type]
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_step_budget_defaults_to_the_use(tiny_llama_dir: Path) -> None:
+    """Offline (LLM) 4096 tokens a step, an engine built directly (kvpool serve) 2048, as vLLM-CPU; a given
+    budget is kept either way, and the CLI passes none unless one is given."""
+    from kvpool.cli import build_parser, engine_kwargs
+    from kvpool.engine.engine import LLMEngine
+
+    kw = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=64, block_size=4)
+    assert LLM(str(tiny_llama_dir), **kw).engine.scheduler.max_num_batched_tokens == 4096  # type: ignore[arg-type]
+    assert LLMEngine(model=str(tiny_llama_dir), **kw).scheduler.max_num_batched_tokens == 2048
+    assert LLM(str(tiny_llama_dir), max_num_batched_tokens=512,  # type: ignore[arg-type]
+               **kw).engine.scheduler.max_num_batched_tokens == 512
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["max_num_batched_tokens"] is None
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens: must be an int >= 1 or None, got 0"):
+        LLM(str(tiny_llama_dir), max_num_batched_tokens=0, **kw)  # type: ignore[arg-type]
