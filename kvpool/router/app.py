@@ -5,13 +5,19 @@ Per request: parse the body as the replicas would (`kvpool.server.protocol`), to
 tokenizer and chat template, hash its blocks with the replicas' `BlockHasher` settings (block size, hash
 algorithm, seed, cache salt), look the hashes up in the index fed by every replica's KV events, choose a
 replica (`kvpool.router.policy`), and proxy the request there, streaming included. A replica that cannot
-be reached, or answers 503, before anything was sent to the client is marked down and the request goes to
-the next best replica; once bytes have reached the client the request stays where it is.
+be reached, or answers 500/502/503/504, before anything was sent to the client has the request sent to the
+next best replica (a run of 500/502/504 answers, or a connection error, marks it down); once bytes have
+reached the client the request stays where it is. A stream counts as started at its first event that
+carries something (text, a tool call, a finish reason, an error): a chat stream's first event, the role
+alone, is sent by the replica as soon as the request is queued, and is held back until then. A request
+whose replica is marked down (by the health checks, say it froze) while nothing has reached the client yet
+is cancelled there and sent to the next replica.
 
 A health thread polls each replica's /health and /metrics (running, waiting, KV usage) twice a second;
-a replica that fails is left out until it answers again. A client that disconnects before its answer is
-complete has its request to the replica dropped (the replica then aborts it). Pins and the prefix-cache
-reset go to every replica (`kvpool.router.admin`).
+a replica that fails is left out until it answers again. On its way back, a replica with events has its
+index rebuilt from its replay socket (it may have restarted, its caches empty). A client that disconnects
+before its answer is complete has its request to the replica dropped (the replica then aborts it). Pins
+and the prefix-cache reset go to every replica (`kvpool.router.admin`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -44,6 +52,7 @@ from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -79,6 +88,10 @@ class Replica:
     routed: int = 0
     failures: int = 0
     missed_checks: int = 0  # health checks in a row that timed out
+    error_run: int = 0  # 500/502/504 answers in a row
+    # Times marked down: an attempt in flight that has sent the client nothing watches it, and is cancelled
+    # and retried elsewhere when it changes (a frozen replica never answers, and never drops the connection).
+    downs: int = 0
     subscriber: EventSubscriber | None = None
 
     @property
@@ -119,6 +132,12 @@ class RouterMetrics:
         self.hash_mismatch = Counter("kvpool_router:hash_mismatches",
                                      "Stored blocks whose hash the router cannot reproduce (config differs).",
                                      ["replica"], registry=r)
+        self.events_alive = Gauge("kvpool_router:replica_events_alive",
+                                  "1 while the replica's KV event subscriber runs (0: routed by what was sent).",
+                                  ["replica"], registry=r)
+        self.event_errors = Counter("kvpool_router:event_batch_errors",
+                                    "KV event batches the router could not use (each forgets the replica's index).",
+                                    ["replica"], registry=r)
 
 
 class Router:
@@ -127,7 +146,7 @@ class Router:
     def __init__(self, replicas: list[ReplicaSpec], *, tokenizer: Any = None, block_size: int = 16,
                  hash_algo: str = "sha256", hash_seed: str | None = None, beta: float = 1.0, gamma: float = 0.2,
                  routed_ttl_s: float = 300.0, pending_ttl_s: float = 3.0, recent_half_life_s: float = 2.0,
-                 health_interval_s: float = 0.5, policy: str = "cache") -> None:
+                 health_interval_s: float = 0.5, health_timeout_s: float = 1.0, policy: str = "cache") -> None:
         if not replicas:
             raise ValueError("replica: give at least one --replica URL")
         if policy not in ("cache", "round-robin"):
@@ -147,10 +166,13 @@ class Router:
         self.pending = RoutedIndex(pending_ttl_s)
         self.recent_half_life_s = recent_half_life_s
         self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
         self.down_after_missed_checks = 3
+        self.down_after_errors = 3  # 500/502/504 answers in a row
         self.metrics = RouterMetrics()
         for n in self.replicas:  # export zeros from the start, so a dashboard sees every replica
-            for c in (self.metrics.hash_mismatch, self.metrics.event_batches, self.metrics.retries):
+            for c in (self.metrics.hash_mismatch, self.metrics.event_batches, self.metrics.retries,
+                      self.metrics.event_errors):
                 c.labels(n)
             self.metrics.healthy.labels(n).set(1)
         self._lock = threading.Lock()
@@ -163,11 +185,16 @@ class Router:
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        for rep in self.replicas.values():
-            if rep.spec.events:
-                rep.subscriber = EventSubscriber(rep.name, rep.spec.events, self.index,
-                                                 replay_endpoint=rep.spec.replay, topic=rep.spec.topic,
-                                                 on_batch=self._on_batch).start()
+        """Start the subscribers and the health thread; a ValueError names an events endpoint ZeroMQ refuses."""
+        try:
+            for rep in self.replicas.values():
+                if rep.spec.events:
+                    rep.subscriber = EventSubscriber(rep.name, rep.spec.events, self.index,
+                                                     replay_endpoint=rep.spec.replay, topic=rep.spec.topic,
+                                                     on_batch=self._on_batch, on_error=self._on_event_error).start()
+        except ValueError:
+            self.stop()
+            raise
         self._health_thread.start()
 
     def stop(self) -> None:
@@ -175,9 +202,13 @@ class Router:
         for rep in self.replicas.values():
             if rep.subscriber is not None:
                 rep.subscriber.stop()
-        self._health_thread.join(5)
+        if self._health_thread.is_alive():
+            self._health_thread.join(5)
 
     # -- events -------------------------------------------------------------------------------------
+
+    def _on_event_error(self, replica: str) -> None:
+        self.metrics.event_errors.labels(replica).inc()
 
     def _on_batch(self, replica: str, events: list[dict[str, Any]]) -> None:
         self.metrics.event_batches.labels(replica).inc()
@@ -187,8 +218,9 @@ class Router:
         # hash algorithm or seed on the replica would make every lookup miss silently; say so instead.
         for e in events:
             if (e.get("type") == "BlockStored" and e.get("parent_block_hash") is None and not e.get("extra_keys")
-                    and e.get("lora_name") is None and len(e.get("token_ids", ())) >= self.block_size
-                    and e.get("medium") == "GPU"):
+                    and e.get("lora_name") is None and isinstance(e.get("token_ids"), list)
+                    and len(e["token_ids"]) >= self.block_size and isinstance(e.get("block_hashes"), list)
+                    and e["block_hashes"] and e.get("medium") == "GPU"):
                 self._checked_hash.add(replica)
                 tokens = list(e["token_ids"][: self.block_size])
                 mine = CacheRequest("check", tokens, hasher=self.hasher).block_hashes[0]
@@ -202,10 +234,19 @@ class Router:
     # -- health -------------------------------------------------------------------------------------
 
     def _health_loop(self) -> None:
-        with httpx.Client(timeout=1.0) as client:
+        with httpx.Client(timeout=self.health_timeout_s) as client:
             while not self._stop.is_set():
                 for rep in list(self.replicas.values()):
-                    self._check(client, rep)
+                    try:
+                        self._check(client, rep)
+                    except Exception:  # one replica's odd answer must not end the checks of all of them
+                        log.exception("router: health check of replica %s failed; counted as missed", rep.name)
+                        with self._lock:
+                            rep.missed_checks += 1
+                            if rep.missed_checks >= self.down_after_missed_checks and rep.healthy:
+                                rep.healthy = False
+                                rep.downs += 1
+                        self.metrics.healthy.labels(rep.name).set(1 if rep.healthy else 0)
                 self._stop.wait(self.health_interval_s)
 
     def _check(self, client: httpx.Client, rep: Replica) -> None:
@@ -213,7 +254,7 @@ class Router:
         try:
             ok = client.get(f"{rep.name}/health").status_code == 200
             text = client.get(f"{rep.name}/metrics").text if ok else ""
-            rep.missed_checks = 0
+            answered = True
         except httpx.TimeoutException:
             # A replica busy with a long prompt can answer late: only a run of missed checks marks it
             # down (one miss made replicas on a loaded machine flap, and routing around a replica that
@@ -221,21 +262,33 @@ class Router:
             rep.missed_checks += 1
             if rep.missed_checks < self.down_after_missed_checks:
                 return
-            ok, text = False, ""
+            ok, text, answered = False, "", False
         except httpx.HTTPError:  # refused, reset: the process is gone
-            ok, text = False, ""
+            ok, text, answered = False, "", True
+        vals = _read_metrics(text) if ok else {}
+        if answered:  # (only now: an answer the router cannot read counts as a missed check, see _health_loop)
+            rep.missed_checks = 0
         with self._lock:
+            back = ok and not rep.healthy
             if ok != rep.healthy:
                 log.warning("router: replica %s is %s", rep.name, "back" if ok else "down")
+                if not ok:
+                    rep.downs += 1
             rep.healthy = ok
             if ok:
-                vals = _read_metrics(text)
                 rep.load.running = int(vals.get("num_requests_running", 0))
                 rep.load.waiting = int(vals.get("num_requests_waiting", 0))
                 rep.load.kv_usage = vals.get("kv_cache_usage_perc", 0.0)
                 rep.load.polled_at = polled_at
+        if back and rep.subscriber is not None:
+            # It may have restarted, its caches empty (its new event stream would say so, but only with its
+            # first event): what was routed there lately is forgotten, and its index rebuilt from its replay.
+            self.pending.clear(rep.name)
+            rep.subscriber.resync()
         m = self.metrics
         m.healthy.labels(rep.name).set(1 if ok else 0)
+        if rep.subscriber is not None:
+            m.events_alive.labels(rep.name).set(1 if rep.subscriber.alive else 0)
         m.running.labels(rep.name).set(rep.load.running)
         m.waiting.labels(rep.name).set(rep.load.waiting)
         m.kv_usage.labels(rep.name).set(rep.load.kv_usage)
@@ -248,7 +301,25 @@ class Router:
                 log.warning("router: replica %s failed a request; routing around it", name)
             rep.healthy = False
             rep.failures += 1
+            rep.downs += 1
         self.metrics.healthy.labels(name).set(0)
+
+    def answered(self, name: str, status: int) -> None:
+        """A replica's answer to a request: 500/502/504 count as failures (a run of them marks it down,
+        and the health checks bring it back); anything below 500 ends the run."""
+        with self._lock:
+            rep = self.replicas[name]
+            if status in (500, 502, 504):
+                rep.error_run += 1
+                if rep.error_run < self.down_after_errors:
+                    rep.failures += 1
+                    return
+                rep.error_run = 0  # (and `mark_down` counts this failure)
+            else:
+                if status < 500:
+                    rep.error_run = 0
+                return
+        self.mark_down(name)
 
     # -- routing ------------------------------------------------------------------------------------
 
@@ -278,7 +349,7 @@ class Router:
                 matched_all = self.index.match(hashes, cands) if hashes else {}
                 for n in cands:
                     rep = self.replicas[n]
-                    approx = (self.routed if rep.subscriber is None else self.pending).match(hashes, n, now)
+                    approx = self._approx(rep).match(hashes, n, now)
                     got = matched_all.get(n, (0, 0.0))
                     if approx > got[0]:  # routed there recently: its events have not arrived yet
                         matched_all[n] = (approx, got[1] + (approx - got[0]))
@@ -289,7 +360,7 @@ class Router:
             rep.load.in_flight += 1
             rep.load.recent += 1
             rep.routed += 1
-        (self.routed if rep.subscriber is None else self.pending).record(name, hashes, now)
+        self._approx(rep).record(name, hashes, now)
         m = self.metrics
         m.decisions.labels(name, reason).inc()
         m.in_flight.labels(name).set(rep.load.in_flight)
@@ -298,6 +369,11 @@ class Router:
             m.matched_blocks.inc(matched)
             m.matched_fraction.observe(matched / len(hashes))
         return name, matched
+
+    def _approx(self, rep: Replica) -> RoutedIndex:
+        """Where a replica's routed requests are remembered: for a few seconds while its events flow, for a
+        long while when it has none (or its subscriber died: its index no longer changes)."""
+        return self.pending if rep.subscriber is not None and rep.subscriber.alive else self.routed
 
     def done(self, name: str) -> None:
         with self._lock:
@@ -343,7 +419,9 @@ class Router:
             return {n: {"healthy": r.healthy, "routed": r.routed, "in_flight": r.load.in_flight,
                         "running": r.load.running, "waiting": r.load.waiting, "kv_usage": r.load.kv_usage,
                         "indexed_blocks": self.index.num_blocks(n), "failures": r.failures,
-                        "events": r.subscriber is not None}
+                        "events": r.subscriber is not None,
+                        "events_alive": r.subscriber is not None and r.subscriber.alive,
+                        "event_batch_errors": 0 if r.subscriber is None else r.subscriber.decode_errors}
                     for n, r in self.replicas.items()}
 
 
@@ -357,7 +435,9 @@ def _read_metrics(text: str) -> dict[str, float]:
         short = name.split(":", 1)[-1]
         if short in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             with contextlib.suppress(ValueError):
-                out[short] = out.get(short, 0.0) + float(rest.rsplit(" ", 1)[-1])
+                value = float(rest.rsplit(" ", 1)[-1])
+                if math.isfinite(value) and value >= 0:  # (NaN or Inf: not a load the policy can weigh)
+                    out[short] = out.get(short, 0.0) + value
     return out
 
 
@@ -431,7 +511,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             hashes = []
         stream = bool(body.get("stream"))
         tried: set[str] = set()
-        last_503: bytes | None = None
+        last_error: tuple[int, bytes, str | None] | None = None  # the last retried answer, for the client
         headers = forward_headers(request)
         for _ in range(max_attempts):
             picked = router.pick(hashes, tried)
@@ -439,88 +519,166 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                 break
             name = picked[0]
             tried.add(name)
+            epoch = router.replicas[name].downs
+            resp: httpx.Response | None = None
+            committed = False  # the response is the client's now (and `done` is `_relay`'s to call)
             try:
                 req = client.build_request("POST", f"{name}{path}", content=raw, headers=headers)
-                # A non-streaming answer's headers come when it is complete: watch the client meanwhile.
-                sent, resp = await until_disconnected(client.send(req, stream=True), request)
-            except httpx.HTTPError:
-                router.done(name)
+                # A non-streaming answer's headers come when it is complete: watch the client meanwhile,
+                # and the replica's health (a frozen one never answers, nor drops the connection).
+                state, resp = await _watch(client.send(req, stream=True), request, router, name, epoch)
+                if state == "ok" and resp is not None and resp.status_code in _RETRIED:
+                    # Overloaded, its engine died, or it failed: try another before giving up.
+                    content = b""
+                    with contextlib.suppress(httpx.HTTPError, asyncio.TimeoutError):
+                        content = await asyncio.wait_for(resp.aread(), 5.0)
+                    last_error = (resp.status_code, content, resp.headers.get("content-type"))
+                    router.answered(name, resp.status_code)
+                    state = "retry"
+                elif state == "ok" and resp is not None and not stream:
+                    state, content = await _watch(resp.aread(), request, router, name, epoch)
+                    if state == "ok" and content is not None:
+                        router.answered(name, resp.status_code)
+                        return Response(content, status_code=resp.status_code,
+                                        media_type=resp.headers.get("content-type"), headers={"x-kvpool-replica": name})
+                elif state == "ok" and resp is not None:
+                    # Streaming: hold the events back until one carries something (see `_stream_head`), so a
+                    # replica that dies or freezes before answering is still retried elsewhere.
+                    sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                    chunks = resp.aiter_raw()
+                    state, head = await _watch(_stream_head(chunks, sse), request, router, name, epoch)
+                    if state == "ok" and head is not None:
+                        router.answered(name, resp.status_code)
+                        committed = True
+                        return StreamingResponse(_relay(head, chunks, resp, router, name, sse),
+                                                 status_code=resp.status_code,
+                                                 media_type=resp.headers.get("content-type"),
+                                                 headers={"Cache-Control": "no-cache", "x-kvpool-replica": name})
+            except httpx.HTTPError:  # refused, reset, or died mid-answer: the client has seen nothing yet
                 router.mark_down(name)
-                router.metrics.retries.labels(name).inc()
-                continue
-            if not sent or resp is None:  # the client left; the send was cancelled, which aborts it there
-                router.done(name)
-                return Response(status_code=499)
-            if resp.status_code == 503:  # overloaded or its engine died: try another before giving up
-                with contextlib.suppress(httpx.HTTPError):
-                    last_503 = await resp.aread()  # its reason, for the client if no replica can take it
-                await resp.aclose()
-                router.done(name)
-                router.metrics.retries.labels(name).inc()
-                continue
-            if not stream:
-                try:
-                    read, content = await until_disconnected(resp.aread(), request)
-                except httpx.HTTPError:  # died mid-answer: the client has seen nothing yet
-                    await resp.aclose()
+                state = "retry"
+            finally:
+                if not committed:  # (closing the connection mid-answer makes the replica abort the request)
+                    if resp is not None:
+                        await resp.aclose()
                     router.done(name)
-                    router.mark_down(name)
-                    router.metrics.retries.labels(name).inc()
-                    continue
-                if not read or content is None:  # the client left: closing the connection aborts it there
-                    await resp.aclose()
-                    router.done(name)
-                    return Response(status_code=499)
-                router.done(name)
-                return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
-                                headers={"x-kvpool-replica": name})
-            # Streaming: wait for the first bytes before committing, so a replica that dies before
-            # answering is still retried elsewhere.
-            chunks = resp.aiter_raw()
-            try:
-                # (Watching the client: the first bytes can be a queue wait and a prefill away, or more
-                # when stop strings hold the text back.)
-                got, first = await until_disconnected(_first_chunk(chunks), request)
-            except httpx.HTTPError:
-                await resp.aclose()
-                router.done(name)
-                router.mark_down(name)
-                router.metrics.retries.labels(name).inc()
-                continue
-            if not got or first is None:  # the client left: closing the connection aborts it there
-                await resp.aclose()
-                router.done(name)
+            if state == "gone":  # the client left
                 return Response(status_code=499)
-            return StreamingResponse(_relay(first, chunks, resp, router, name), status_code=resp.status_code,
-                                     media_type=resp.headers.get("content-type"),
-                                     headers={"Cache-Control": "no-cache", "x-kvpool-replica": name})
+            if state == "down":
+                log.warning("router: replica %s went down with a request in flight; sending it elsewhere", name)
+            router.metrics.retries.labels(name).inc()
         router.metrics.failed.inc()
-        if last_503 is not None:  # every replica tried was overloaded: say so, as the last one did
-            return Response(last_503, status_code=503, media_type="application/json", headers={"Retry-After": "1"})
+        if last_error is not None:  # every replica tried refused or failed: say so, as the last one did
+            status, content, ctype = last_error
+            return Response(content, status_code=status, media_type=ctype or "application/json",
+                            headers={"Retry-After": "1"} if status == 503 else None)
         return _error(503, "no replica could take the request; retry later")
 
     return app
 
 
-async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
-    """The stream's first bytes (b"" for an empty stream)."""
-    try:
-        return await chunks.__anext__()
-    except StopAsyncIteration:
-        return b""
+# Answers retried on another replica when nothing has reached the client yet: overloaded (503), and the
+# replica's own failures (500, and a gateway's 502/504 in front of it).
+_RETRIED = frozenset((500, 502, 503, 504))
+_HEAD_LIMIT = 64 << 10  # bytes of a stream held back at most before it is committed anyway
+_WATCH_POLL_S = 0.1
 
 
-async def _relay(first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, router: Router, name: str
-                 ) -> AsyncIterator[bytes]:
+async def _watch(work: Awaitable[T], request: Request, router: Router, name: str, epoch: int
+                 ) -> tuple[str, T | None]:
+    """("ok", what `work` gives); ("gone", None) once the client has disconnected, or ("down", None) once
+    the replica has been marked down since `epoch` (its `downs`): `work` is then cancelled, which for a
+    request to a replica closes the connection and makes the replica abort it. `work`'s own exception
+    propagates."""
+    rep = router.replicas[name]
+    ok, out = await until_disconnected(work, request, _WATCH_POLL_S, stop=lambda: rep.downs != epoch)
+    if ok:
+        return "ok", out
+    return ("down" if rep.downs != epoch else "gone"), None
+
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # an SSE event ends at a blank line
+
+
+def _events(data: bytes) -> tuple[list[bytes], int]:
+    """The complete SSE events at the start of `data` (each its data lines' payload, b"" for an event
+    without data, such as a comment), and where the incomplete rest begins."""
+    out: list[bytes] = []
+    pos = 0
+    for m in _EVENT_END.finditer(data):
+        lines = re.split(rb"\r\n|\n|\r", data[pos:m.start()])
+        out.append(b"\n".join(ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")))
+        pos = m.end()
+    return out, pos
+
+
+def _carries_something(payload: bytes) -> bool:
+    """Whether a streamed event is more than the chat stream's opening role-only chunk: text, a tool
+    call, a finish reason, an error, the end, or anything the router does not recognise."""
+    if not payload:
+        return False  # a comment or a keep-alive
     try:
-        if first:
-            yield first
-        async for c in chunks:
-            yield c
+        obj = json.loads(payload)
+    except ValueError:
+        return True  # ([DONE], or something unknown: the client's to see)
+    if not isinstance(obj, dict) or "error" in obj or obj.get("usage"):
+        return True
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return True
+    for c in choices:
+        if not isinstance(c, dict) or c.get("finish_reason") is not None or c.get("text"):
+            return True
+        delta = c.get("delta")
+        if delta is not None and (not isinstance(delta, dict) or any(v for k, v in delta.items() if k != "role")):
+            return True
+    return False
+
+
+async def _stream_head(chunks: AsyncIterator[bytes], sse: bool) -> bytes:
+    """The stream's first bytes: for an event stream, every event up to the first that carries something
+    (b"" for an empty stream). kvpool sends a chat stream's role-only chunk as soon as the request is
+    queued, before any prefill: committing to the replica there would leave a request that dies or
+    freezes in its queue unretried."""
+    buf = b""
+    while True:
+        try:
+            buf += await chunks.__anext__()
+        except StopAsyncIteration:
+            return buf
+        if not sse or len(buf) > _HEAD_LIMIT:
+            return buf
+        events, _ = _events(buf)
+        if any(_carries_something(e) for e in events):
+            return buf
+
+
+async def _relay(head: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, router: Router, name: str,
+                 sse: bool) -> AsyncIterator[bytes]:
+    """The stream to the client, whole events at a time: when the replica fails mid-stream the partial
+    event it left is dropped, and the client's parser sees a clean error event, then the end."""
+    tail = b""  # the start of an event not yet complete
+    try:
+        data = head
+        while True:
+            if sse:
+                data = tail + data
+                _, end = _events(data)
+                if len(data) - end > _HEAD_LIMIT:  # no event boundary the router knows: pass it on as it is
+                    end = len(data)
+                data, tail = data[:end], data[end:]
+            if data:
+                yield data
+            try:
+                data = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+        if tail:
+            yield tail  # (the replica's own last bytes, as it ended them)
     except httpx.HTTPError as e:
         router.mark_down(name)
-        msg = {"error": {"message": f"replica failed mid-stream: {e}", "type": "service_unavailable", "code": 503}}
-        yield f"data: {json.dumps(msg)}\n\ndata: [DONE]\n\n".encode()
+        err = APIError(503, f"replica failed mid-stream: {e}").body()
+        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
     finally:
         await resp.aclose()
         router.done(name)
@@ -566,12 +724,24 @@ def start_router(router: Router, *, host: str = "127.0.0.1", port: int = 0, **kw
     return RouterHandle(f"http://{host}:{bound}", router, server, thread)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """A ValueError naming the flag whose value cannot work (before anything starts)."""
+    if args.block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {args.block_size}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port: must be in 0-65535, got {args.port}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes: must be >= 1, got {args.max_body_bytes}")
+    # (NaN compares false with everything: every replica's score is NaN, and the first one takes it all.)
+    if not (math.isfinite(args.load_weight) and args.load_weight >= 0):
+        raise ValueError(f"load_weight: must be a finite number >= 0, got {args.load_weight}")
+
+
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     specs = [ReplicaSpec.parse(s) for s in args.replica]
-    if args.block_size < 1:
-        raise ValueError(f"block_size: must be >= 1, got {args.block_size}")
+    check_args(args)
     tokenizer = load_tokenizer(args.model)
     router = Router(specs, tokenizer=tokenizer, block_size=args.block_size, hash_algo=args.hash_algo,
                     hash_seed=args.hash_seed, beta=args.load_weight, policy=args.policy)

@@ -41,20 +41,31 @@ class PrefixIndex:
         return len(self._by_replica.get(replica, ()))
 
     def apply(self, replica: str, events: Iterable[dict[str, Any]]) -> None:
-        """Apply one batch of decoded events (dicts with a "type") from `replica`."""
+        """Apply one batch of decoded events (dicts with a "type") from `replica`, whole or not at all: a
+        ValueError names the first malformed field, and nothing of the batch is applied."""
+        ops: list[tuple[str, str, list[bytes], str]] = []  # (type, owner, hashes, tier)
+        for e in events:
+            kind = e.get("type")
+            if kind in ("BlockStored", "BlockRemoved"):
+                tier = e.get("medium") or "GPU"
+                if not isinstance(tier, str):
+                    raise ValueError(f"medium: must be a string, got {type(tier).__name__}")
+                hashes = e.get("block_hashes")
+                if not isinstance(hashes, list | tuple):
+                    raise ValueError(f"block_hashes: must be a list, got {type(hashes).__name__}")
+                ops.append((kind, STORE if tier == "STORAGE" else replica, [_key(h) for h in hashes], tier))
+            elif kind == "AllBlocksCleared":
+                ops.append((kind, replica, [], ""))
+            else:
+                ops.append(("", replica, [], ""))  # a kind this router does not use
         with self._lock:
-            for e in events:
-                kind = e.get("type")
+            for kind, owner, hashes, tier in ops:
                 if kind == "BlockStored":
-                    tier = e.get("medium") or "GPU"
-                    owner = STORE if tier == "STORAGE" else replica
-                    for h in e.get("block_hashes", ()):
-                        self._add(owner, _key(h), tier)
+                    for h in hashes:
+                        self._add(owner, h, tier)
                 elif kind == "BlockRemoved":
-                    tier = e.get("medium") or "GPU"
-                    owner = STORE if tier == "STORAGE" else replica
-                    for h in e.get("block_hashes", ()):
-                        self._remove(owner, _key(h), tier)
+                    for h in hashes:
+                        self._remove(owner, h, tier)
                 elif kind == "AllBlocksCleared":
                     self._clear(replica)
                 self.events_applied += 1
@@ -153,6 +164,6 @@ def _key(h: Any) -> bytes:
     # vLLM's ExternalBlockHash is bytes or int; kvpool publishes bytes.
     if isinstance(h, bytes | bytearray):
         return bytes(h)
-    if isinstance(h, int):
+    if isinstance(h, int) and not isinstance(h, bool):
         return h.to_bytes(max(1, (h.bit_length() + 8) // 8), "big", signed=True)
     raise ValueError(f"block_hashes: a hash must be bytes or int, got {type(h).__name__}")

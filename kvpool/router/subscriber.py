@@ -2,11 +2,15 @@
 
 Sequence numbers make the stream reliable enough to index: a gap (the PUB socket drops messages when a
 subscriber is slow, and a subscriber joining late misses the start) is filled from the replica's replay
-socket when it has one; without one, or when the replay no longer holds the missing batches, the replica's
-entries are dropped and rebuilt from what follows (a stale index would send requests to blocks that are
-gone). A sequence number going backwards means the replica restarted: its device and host tiers are empty.
-A first message whose number is not 0 asks for a replay from 0, so a router started after its replicas
-still learns what they already cache.
+socket when it has one. When the replay no longer reaches back to the gap (its buffer moved on), the
+replica's entries are dropped and rebuilt from what the buffer still holds and what follows; without a
+replay socket, from what follows only (a stale index would send requests to blocks that are gone; one that
+misses blocks only costs hits). A sequence number going backwards means the replica restarted: its device
+and host tiers are empty. At start-up the subscriber asks for a replay from 0, so a router started after
+its replicas still learns what they already cache.
+
+A batch the router cannot use (malformed, or with fields of the wrong type) is skipped like a gap: the
+replica's entries are dropped, as the batch may have removed some of them, and the thread goes on.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ log = logging.getLogger(__name__)
 
 class EventSubscriber:
     def __init__(self, replica: str, endpoint: str, index: PrefixIndex, *, replay_endpoint: str | None = None,
-                 topic: str = "", on_batch: Callable[[str, list[dict[str, Any]]], None] | None = None) -> None:
+                 topic: str = "", on_batch: Callable[[str, list[dict[str, Any]]], None] | None = None,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self.replica = replica
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.index = index
         self.on_batch = on_batch
+        self.on_error = on_error
         self.next_seq: int | None = None
         self.batches = 0
         self.gaps = 0
@@ -40,33 +46,80 @@ class EventSubscriber:
         self.decode_errors = 0
         self._last_live: int | None = None  # the last sequence number read from the PUB socket
         self._stop = threading.Event()
+        self._resync = threading.Event()
         self._ctx = zmq.Context()
+        self._sub: zmq.Socket[Any] | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvpool-router-events-{replica}", daemon=True)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still reads events (False before `start` and after `stop`)."""
+        return self._thread.is_alive()
+
     def start(self) -> EventSubscriber:
+        """Connect (here, so an endpoint ZeroMQ refuses is a ValueError at start-up, not a dead thread) and
+        start reading."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        for key, ep in (("events", self.endpoint), ("replay", self.replay_endpoint)):
+            if ep is None:
+                continue
+            sock = sub if key == "events" else self._ctx.socket(zmq.DEALER)  # (replays connect one per gap)
+            try:
+                sock.connect(ep)
+                error = None
+            except zmq.ZMQError as e:
+                error = e
+            if sock is not sub:
+                sock.close(0)
+            if error is not None:
+                sub.close(0)
+                self._ctx.term()
+                raise ValueError(f"replica: {key}={ep!r} of {self.replica}: {error}")
+        self._sub = sub  # (handed to the thread: ZeroMQ sockets may move between threads at a barrier)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
+        elif self._sub is not None:
+            self._sub.close(0)
         self._ctx.term()
 
+    def resync(self) -> None:
+        """Forget the replica's entries and rebuild them from its replay (it came back after being down,
+        perhaps restarted with empty caches); done on the subscriber's thread."""
+        self._resync.set()
+
     def _apply(self, seq: int, payload: bytes) -> None:
+        self.next_seq = seq + 1  # (a batch that cannot be used is skipped, not asked for again)
         try:
             _, events = decode_batch(payload)
-        except ValueError as e:
+            self.index.apply(self.replica, events)
+        except Exception as e:  # (a timestamp of null is a TypeError, a hash of the wrong type a ValueError)
             self.decode_errors += 1
-            log.warning("router: replica %s sent an undecodable event batch (%s)", self.replica, e)
+            log.warning("router: replica %s sent an unusable event batch %d (%s); rebuilding its index",
+                        self.replica, seq, e)
+            self.index.clear(self.replica)
+            if self.on_error is not None:
+                self.on_error(self.replica)
             return
-        self.index.apply(self.replica, events)
         self.batches += 1
-        self.next_seq = seq + 1
         if self.on_batch is not None:
-            self.on_batch(self.replica, events)
+            try:
+                self.on_batch(self.replica, events)
+            except Exception:
+                log.exception("router: replica %s: handling an event batch failed", self.replica)
 
     def _replay(self, start: int) -> bool:
-        """Ask the replay socket for every batch from `start`; False if it cannot fill the gap."""
+        """Ask the replay socket for every batch from `start`; False if there is none or it does not answer.
+        When its buffer no longer reaches back to `start`, the replica's entries are dropped and rebuilt
+        from what the buffer holds (blocks stored before it and still cached stay unknown: a subset of the
+        truth, which costs hits but never sends a request to a block that is gone)."""
         if not self.replay_endpoint:
             return False
         sock = self._ctx.socket(zmq.DEALER)
@@ -82,10 +135,12 @@ class EventSubscriber:
                     return False
                 _, _, seq_b, payload = frames
                 if seq_b == END_SEQ:
-                    return not first or start == 0
+                    return True
                 seq = int.from_bytes(seq_b, "big")
                 if first and seq != start:
-                    return False  # the replay buffer no longer reaches back that far
+                    log.warning("router: replica %s: its replay starts at batch %d, not %d; rebuilding its index "
+                                "from there", self.replica, seq, start)
+                    self.index.clear(self.replica)
                 first = False
                 self._apply(seq, payload)
         except zmq.ZMQError as e:
@@ -95,44 +150,55 @@ class EventSubscriber:
             sock.close(0)
 
     def _run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.connect(self.endpoint)
-        # Catch up at once when the replica has history (the router started after it).
-        if self._replay(0) and self.next_seq is not None:
-            log.info("router: replica %s: replayed %d event batches", self.replica, self.batches)
+        sub = self._sub
+        assert sub is not None
         try:
+            # Catch up at once when the replica has history (the router started after it).
+            if self._replay(0) and self.next_seq is not None:
+                log.info("router: replica %s: replayed %d event batches", self.replica, self.batches)
             while not self._stop.is_set():
+                if self._resync.is_set():
+                    self._resync.clear()
+                    self.index.clear(self.replica)
+                    self.next_seq = self._last_live = None
+                    self._replay(0)
                 if not sub.poll(100):
                     continue
                 frames = sub.recv_multipart()
-                if len(frames) != 3:
+                try:
+                    self._receive(frames)
+                except Exception:  # nothing one message holds may end the thread: its index would go stale
                     self.decode_errors += 1
-                    continue
-                _, seq_b, payload = frames
-                seq = int.from_bytes(seq_b, "big")
-                expected = self.next_seq
-                last_live, self._last_live = self._last_live, seq
-                if expected is not None and seq < expected:
-                    if last_live is None or seq > last_live:
-                        continue  # a batch the replay already applied (the live stream never goes back)
-                    self.restarts += 1
-                    log.warning("router: replica %s restarted its event stream; forgetting its blocks", self.replica)
+                    log.exception("router: replica %s: an event message failed; rebuilding its index", self.replica)
                     self.index.clear(self.replica)
                     self.next_seq = None
-                    if seq != 0 and self._replay(0):
-                        continue
-                elif seq != (expected or 0):
-                    self.gaps += 1
-                    begin = expected or 0
-                    if not self._replay(begin) or self.next_seq is None or self.next_seq < seq:
-                        log.warning("router: replica %s: event batches %d..%d lost; rebuilding its index",
-                                    self.replica, begin, seq - 1)
-                        self.index.clear(self.replica)
-                    elif seq < self.next_seq:
-                        continue  # the replay covered this batch too
-                self._apply(seq, payload)
         finally:
             sub.close(0)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.decode_errors += 1
+            return
+        _, seq_b, payload = frames
+        seq = int.from_bytes(seq_b, "big")
+        expected = self.next_seq
+        last_live, self._last_live = self._last_live, seq
+        if expected is not None and seq < expected:
+            if last_live is None or seq > last_live:
+                return  # a batch the replay already applied (the live stream never goes back)
+            self.restarts += 1
+            log.warning("router: replica %s restarted its event stream; forgetting its blocks", self.replica)
+            self.index.clear(self.replica)
+            self.next_seq = None
+            if seq != 0 and self._replay(0) and self.next_seq is not None and self.next_seq > seq:
+                return
+        elif seq != (expected or 0):
+            self.gaps += 1
+            begin = expected or 0
+            if not self._replay(begin) or self.next_seq is None or self.next_seq < seq:
+                log.warning("router: replica %s: event batches %d..%d lost; rebuilding its index",
+                            self.replica, begin, seq - 1)
+                self.index.clear(self.replica)
+            elif seq < self.next_seq:
+                return  # the replay covered this batch too
+        self._apply(seq, payload)

@@ -7,7 +7,7 @@ while watching whether the client is still there.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -70,17 +70,19 @@ async def read_raw(request: Request, max_bytes: int) -> bytes:
 T = TypeVar("T")
 
 
-async def until_disconnected(work: Awaitable[T], request: Request, poll_s: float = 0.25) -> tuple[bool, T | None]:
-    """(True, what `work` gives), or (False, None) as soon as the client has disconnected; `work` is then
-    cancelled (for a request to a replica, cancelling or closing it mid-answer makes the replica abort it
-    and free its blocks). `work`'s own exception propagates."""
+async def until_disconnected(work: Awaitable[T], request: Request, poll_s: float = 0.25,
+                             stop: Callable[[], bool] | None = None) -> tuple[bool, T | None]:
+    """(True, what `work` gives), or (False, None) as soon as the client has disconnected (or `stop()` says
+    so: the router stops waiting on a replica marked down); `work` is then cancelled (for a request to a
+    replica, cancelling or closing it mid-answer makes the replica abort it and free its blocks). `work`'s
+    own exception propagates."""
     task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
             if done:
                 return True, task.result()
-            if await request.is_disconnected():
+            if (stop is not None and stop()) or await request.is_disconnected():
                 return False, None
     finally:
         if not task.done():

@@ -139,3 +139,34 @@ def test_router_marks_a_replica_down_after_a_run_of_missed_health_checks() -> No
             assert not dead.healthy  # refused: down at the first check
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--port", "70000", "port: must be in 0-65535, got 70000"),
+    ("--port", "-1", "port: must be in 0-65535, got -1"),
+    ("--max-body-bytes", "-5", "max_body_bytes: must be >= 1, got -5"),
+    ("--load-weight", "nan", "load_weight: must be a finite number >= 0, got nan"),
+    ("--load-weight", "inf", "load_weight: must be a finite number >= 0, got inf"),
+    ("--load-weight", "-3", "load_weight: must be a finite number >= 0, got -3.0"),
+])
+def test_router_flags_out_of_range_are_clear_errors(flag: str, value: str, message: str,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    from kvpool.cli import main
+    from kvpool.router import app
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the router started")
+
+    monkeypatch.setattr(app, "load_tokenizer", lambda model: None)  # (no download)
+    monkeypatch.setattr(uvicorn, "run", refuse)
+    assert main(["router", "--replica", "http://127.0.0.1:9", flag, value]) == 2
+    assert capsys.readouterr().err == f"kvpool: error: {message}\n"
+
+
+def test_non_finite_gauges_are_not_read() -> None:
+    text = ("kvpool:num_requests_running NaN\nkvpool:num_requests_waiting +Inf\nvllm:kv_cache_usage_perc -Inf\n"
+            "kvpool:num_requests_waiting 2\n")
+    assert _read_metrics(text) == {"num_requests_waiting": 2.0}

@@ -1,14 +1,19 @@
 """The router's event subscriber over real ZeroMQ: it catches up through the replay socket, applies live
 batches once each, and forgets a replica's blocks when its stream restarts (the replica restarted: its
-tiers are empty)."""
+tiers are empty); a replay that no longer reaches back to batch 0 is applied anyway; a batch it cannot use
+is skipped like a lost one, and the thread goes on; an endpoint ZeroMQ refuses fails at start-up."""
 
 from __future__ import annotations
 
 import time
 
+import msgpack
+import pytest
+import zmq
 from replicas import free_port
 
 from kvpool.core.events import BlockStored
+from kvpool.router.app import ReplicaSpec, Router
 from kvpool.router.index import PrefixIndex
 from kvpool.router.subscriber import EventSubscriber
 from kvpool.server.kv_events import KVEventPublisher
@@ -52,3 +57,97 @@ def test_catch_up_live_and_restart() -> None:
     finally:
         sub.stop()
         pub.close()
+
+
+def test_a_replay_that_starts_later_than_asked_is_still_applied() -> None:
+    """A router started once the replica's replay buffer has moved past batch 0 learns what the buffer
+    holds (a subset of what the replica caches: what was stored before it stays unknown)."""
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep, buffer_steps=10)
+    pub.bind()
+    for i in range(30):
+        pub.publish(stored(bytes([i])))
+    time.sleep(0.2)
+    ix = PrefixIndex()
+    sub = EventSubscriber("r", pub_ep, ix, replay_endpoint=replay_ep).start()
+    try:
+        wait_for(lambda: ix.num_blocks("r") == 10)  # batches 20..29
+        assert sub.next_seq == 30
+        assert ix.match([bytes([20])], ["r"])["r"][0] == 1 and ix.match([bytes([19])], ["r"])["r"][0] == 0
+        time.sleep(0.3)  # the SUB connection is up
+        pub.publish(stored(b"\x40"))
+        wait_for(lambda: ix.num_blocks("r") == 11)
+        assert sub.gaps == 0 and sub.decode_errors == 0
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def raw_batch(ts: object, events: list[dict]) -> bytes:
+    return msgpack.packb([ts, events, 0], use_bin_type=True)
+
+
+def stored_dict(hashes: object, tokens: int = 1) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": list(range(tokens)), "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+# (batch, whether the router can use it): a batch it cannot use counts as an error and, since it may have
+# removed blocks, drops the replica's entries, as a lost batch would.
+BATCHES = {
+    "timestamp null": (raw_batch(None, [stored_dict([b"\x02"])]), False),
+    "hash a str": (raw_batch(1.0, [stored_dict(["ab"])]), False),
+    "hash a float": (raw_batch(1.0, [stored_dict([1.5])]), False),
+    "removed hashes null": (raw_batch(1.0, [{"type": "BlockRemoved", "block_hashes": None, "medium": "GPU"}]), False),
+    "not msgpack": (b"\xc1garbage", False),
+    "stored, no hashes": (raw_batch(1.0, [stored_dict([], tokens=16)]), True),  # (the router's hash check)
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_a_bad_batch_does_not_stop_the_subscriber(name: str) -> None:
+    payload, usable = BATCHES[name]
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(ep)
+    router = Router([ReplicaSpec("http://127.0.0.1:9", events=ep)], block_size=16, health_interval_s=60)
+    router.start()
+    seq = iter(range(100))
+
+    def send(p: bytes) -> None:
+        pub.send_multipart([b"", next(seq).to_bytes(8, "big"), p])
+
+    try:
+        rep = router.replicas["http://127.0.0.1:9"]
+        time.sleep(0.3)  # the SUB connection is up
+        send(raw_batch(1.0, [stored_dict([b"\x01"])]))
+        wait_for(lambda: router.index.num_blocks(rep.name) == 1)
+        send(payload)
+        send(raw_batch(1.0, [stored_dict([b"\x03"])]))
+        wait_for(lambda: router.index.match([b"\x03"], [rep.name])[rep.name][0] == 1)
+        send(raw_batch(1.0, [stored_dict([b"\x04"])]))
+        wait_for(lambda: router.index.match([b"\x04"], [rep.name])[rep.name][0] == 1)
+        state = router.snapshot()[rep.name]
+        assert state["events_alive"] is True
+        assert state["event_batch_errors"] == (0 if usable else 1)
+        assert router.index.num_blocks(rep.name) == (3 if usable else 2)  # b"\x01" is forgotten after a bad one
+        assert rep.subscriber is not None and rep.subscriber.gaps == 0
+    finally:
+        router.stop()
+        pub.close(0)
+        ctx.term()
+    assert router.snapshot()["http://127.0.0.1:9"]["events_alive"] is False
+
+
+def test_an_events_endpoint_zeromq_refuses_fails_at_start_up() -> None:
+    bad = "tcp://127.0.0.1:notaport"
+    with pytest.raises(ValueError, match=r"replica: events='tcp://127.0.0.1:notaport' of http://h:1"):
+        EventSubscriber("http://h:1", bad, PrefixIndex()).start()
+    good = f"tcp://127.0.0.1:{free_port()}"
+    router = Router([ReplicaSpec("http://h:1", events=good), ReplicaSpec("http://h:2", events=good, replay=bad)])
+    with pytest.raises(ValueError, match=r"replica: replay='tcp://127.0.0.1:notaport' of http://h:2"):
+        router.start()
+    assert router.replicas["http://h:1"].subscriber is not None
+    assert not router.replicas["http://h:1"].subscriber.alive  # stopped again

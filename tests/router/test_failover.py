@@ -1,0 +1,208 @@
+"""The router when a replica misbehaves without dying cleanly, with real replicas (real HTTP, real ZeroMQ
+events) on 127.0.0.1, and a fake one (`fake_replica`) for the faults a real one cannot show:
+
+- a replica that freezes with requests in flight (its engine stuck: /health answers, /metrics does not) is
+  marked down by the health checks, and its requests that have sent the client nothing, a chat stream's
+  role-only first event included, are cancelled there and served by another replica;
+- a replica that answers 500 is retried elsewhere and, after a run of them, routed around;
+- a stream cut in the middle of an event ends with a clean error event;
+- a NaN gauge on one replica's /metrics does not end the health checks of the others;
+- a replica that restarts has its old blocks forgotten as soon as it is back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fake_replica import CUT_EVENT, FakeReplica
+from replicas import free_port, start_front, start_replica
+from server_helpers import make_engine, metric
+
+from kvpool.router import app
+from kvpool.router.app import ReplicaSpec, RouterHandle
+from kvpool.server.serve import ServerHandle, start_server
+
+SYSTEM = "You are a careful assistant. " * 12  # > 3 blocks of 16 tokens
+
+
+def wait_until(what: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return got
+
+
+@pytest.fixture(scope="module")
+def pair(chat_llama_dir: Path, chat_tokenizer: Any) -> Iterator[tuple[RouterHandle, list[ServerHandle]]]:
+    reps = [start_replica(chat_llama_dir) for _ in range(2)]
+    # Round-robin: which replica a request goes to is set by the test. Fast health checks: a frozen replica
+    # is down after 3 missed checks of 0.3 s.
+    front = start_front([s for _, s in reps], chat_tokenizer, policy="round-robin", health_interval_s=0.1,
+                        health_timeout_s=0.3)
+    yield front, [h for h, _ in reps]
+    front.stop()
+    for h, _ in reps:
+        h.stop()
+
+
+COMPLETION = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION),
+                                       ("/v1/completions", {**COMPLETION, "stream": True}),
+                                       ("/v1/chat/completions", {**CHAT, "stream": True})],
+                         ids=["completions", "completions-stream", "chat-stream"])
+def test_requests_on_a_replica_that_freezes_go_elsewhere(pair: tuple[RouterHandle, list[ServerHandle]], path: str,
+                                                         body: dict[str, Any]) -> None:
+    front, (frozen, other) = pair
+    wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))  # (after the previous case)
+    retries = metric(front.url, "kvpool_router:retries_total")
+    gate = threading.Event()
+    frozen.engine.call_soon(lambda e: gate.wait(30))  # the engine is stuck; its HTTP server still answers
+    front.router._rr = -1  # the next round-robin pick is the first replica: the frozen one
+    t0 = time.monotonic()
+    try:
+        with httpx.stream("POST", f"{front.url}{path}", json=body, timeout=20) as r:
+            raw = b"".join(r.iter_raw())
+        took = time.monotonic() - t0
+        assert r.status_code == 200, raw
+        assert r.headers["x-kvpool-replica"] == other.url  # not the frozen one's role-only chunk, then a hang
+        assert took < 8, took  # (down after ~1.2 s)
+        assert not front.router.replicas[frozen.url].healthy
+    finally:
+        gate.set()
+    direct = httpx.post(f"{other.url}{path}", json=body, timeout=20).content  # the same answer, straight
+    if body.get("stream"):
+        events = [ln[6:] for ln in raw.decode().split("\n") if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), raw
+        ch = [json.loads(e)["choices"][0] for e in events[:-1]]
+        text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in ch)
+        d_ch = [json.loads(ln[6:])["choices"][0] for ln in direct.decode().split("\n")
+                if ln.startswith("data: {")]
+        assert text == "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in d_ch)
+        assert ch[0].get("delta", {}).get("role") == d_ch[0].get("delta", {}).get("role")  # (sent once)
+    else:
+        assert json.loads(raw)["choices"][0]["text"] == json.loads(direct)["choices"][0]["text"]
+    assert metric(front.url, "kvpool_router:retries_total") == retries + 1
+    # The frozen replica dropped the request when the router gave up on it, and comes back.
+    wait_until(lambda: frozen.engine.num_pending == 0)
+    wait_until(lambda: front.router.replicas[frozen.url].healthy)
+    assert front.router.replicas[frozen.url].load.in_flight == 0
+
+
+def test_a_replica_answering_500_is_retried_and_routed_around(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    good, _ = start_replica(chat_llama_dir, events=False)
+    bad = FakeReplica("err500")
+    front = start_front([ReplicaSpec(bad.url), ReplicaSpec(good.url)], chat_tokenizer, policy="round-robin")
+    try:
+        served = []
+        for i in range(6):
+            r = httpx.post(f"{front.url}/v1/completions", json={"prompt": f"x {i}", "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+            served.append(r.headers["x-kvpool-replica"])
+        assert served == [good.url] * 6
+        # Each 500 counts as a failure; the third in a row marks it down (the health checks bring it back).
+        assert bad.posts == 3 and front.router.replicas[bad.url].failures == 3
+        assert metric(front.url, "kvpool_router:retries_total") == 3
+    finally:
+        front.stop()
+        bad.stop()
+        good.stop()
+    # Only replicas that fail: the client gets the last one's own error.
+    bad2 = FakeReplica("err500")
+    front = start_front([ReplicaSpec(bad2.url)], chat_tokenizer)
+    try:
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: boom"
+    finally:
+        front.stop()
+        bad2.stop()
+
+
+def test_a_stream_cut_mid_event_ends_with_a_clean_error(chat_tokenizer: Any) -> None:
+    cut = FakeReplica("cutmid")
+    front = start_front([ReplicaSpec(cut.url)], chat_tokenizer)
+    try:
+        with httpx.stream("POST", f"{front.url}/v1/completions", json={"prompt": "x", "stream": True},
+                          timeout=20) as r:
+            raw = b"".join(r.iter_raw())
+        events = raw.split(b"\n\n")
+        assert raw.startswith(CUT_EVENT) and raw.endswith(b"\n\n") and events[-2:] == [b"data: [DONE]", b""]
+        err = json.loads(events[1].removeprefix(b"data: "))["error"]  # the half event is not relayed
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == 503 and err["type"] == "service_unavailable" and err["param"] is None
+        assert err["message"].startswith("replica failed mid-stream")
+        assert len(events) == 4
+    finally:
+        front.stop()
+        cut.stop()
+
+
+def test_a_nan_gauge_does_not_stop_the_health_checks(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    odd = FakeReplica("err500", metrics=b"kvpool:num_requests_running NaN\nkvpool:num_requests_waiting +Inf\n"
+                                        b"kvpool:kv_cache_usage_perc 0.5\n")
+    h, spec = start_replica(chat_llama_dir, events=False)
+    front = start_front([ReplicaSpec(odd.url), spec], chat_tokenizer, health_interval_s=0.05)
+    try:
+        wait_until(lambda: front.router.replicas[odd.url].load.kv_usage == 0.5)
+        assert front.router.replicas[odd.url].load.running == 0 and front.router.replicas[odd.url].healthy
+        assert front.router._health_thread.is_alive()
+        h.stop()  # the health checks go on, and notice
+        wait_until(lambda: not front.router.replicas[h.url].healthy, timeout=5)
+    finally:
+        front.stop()
+        odd.stop()
+
+
+def test_a_failing_health_check_counts_as_missed(chat_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    rep = FakeReplica("err500")
+    front = start_front([ReplicaSpec(rep.url)], chat_tokenizer, health_interval_s=0.05)
+    try:
+        def broken(text: str) -> dict[str, float]:
+            raise RuntimeError("unexpected")
+
+        monkeypatch.setattr(app, "_read_metrics", broken)
+        wait_until(lambda: not front.router.replicas[rep.url].healthy, timeout=5)  # 3 checks missed
+        assert front.router._health_thread.is_alive()
+        monkeypatch.undo()
+        wait_until(lambda: front.router.replicas[rep.url].healthy, timeout=5)
+    finally:
+        front.stop()
+        rep.stop()
+
+
+def test_a_restarted_replica_has_its_old_blocks_forgotten(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    port = free_port()
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+    def start() -> ServerHandle:
+        return start_server(make_engine(chat_llama_dir, enable_kv_events=True), served_model_name="tiny", port=port,
+                            kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
+
+    h = start()
+    front = start_front([ReplicaSpec(h.url, events=pub, replay=replay)], chat_tokenizer, health_interval_s=0.1)
+    try:
+        r = httpx.post(f"{h.url}/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        wait_until(lambda: front.router.index.num_blocks(h.url) >= 3)
+        h.stop()
+        wait_until(lambda: not front.router.replicas[h.url].healthy)
+        h = start()  # empty caches, and no event yet
+        wait_until(lambda: front.router.replicas[h.url].healthy)
+        wait_until(lambda: front.router.index.num_blocks(h.url) == 0, timeout=2)
+        assert front.router.replicas[h.url].subscriber.alive  # type: ignore[union-attr]
+        # Its new blocks are learned as before.
+        r = httpx.post(f"{h.url}/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}, timeout=60)
+        wait_until(lambda: front.router.index.num_blocks(h.url) >= 3)
+    finally:
+        front.stop()
+        h.stop()
