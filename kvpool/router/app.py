@@ -180,6 +180,9 @@ class Router:
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._health_loop, name="kvpool-router-health", daemon=True)
         self._checked_hash: set[str] = set()
+        # LoRA adapters by name -> the digest of their files, as the replicas' BlockStored events name them
+        # (the last one seen wins: a name the replicas agree on, or one being rolled out).
+        self.lora_digests: dict[str, str] = {}
         self._tok_lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -212,6 +215,14 @@ class Router:
 
     def _on_batch(self, replica: str, events: list[dict[str, Any]]) -> None:
         self.metrics.event_batches.labels(replica).inc()
+        for e in events:
+            name = e.get("lora_name")
+            keys = e.get("extra_keys")
+            if e.get("type") == "BlockStored" and isinstance(name, str) and isinstance(keys, list) and keys:
+                first = keys[0]  # (the first block's keys: the name, then the digest)
+                if (isinstance(first, list | tuple) and len(first) >= 2 and first[0] == name
+                        and isinstance(first[1], str)):
+                    self.lora_digests[name] = first[1]
         if replica in self._checked_hash:
             return
         # Once per replica: recompute the hash of a first block from its tokens. A different block size,
@@ -323,10 +334,16 @@ class Router:
 
     # -- routing ------------------------------------------------------------------------------------
 
-    def block_hashes(self, tokens: list[int] | None, cache_salt: str | None) -> list[bytes]:
+    def block_hashes(self, tokens: list[int] | None, cache_salt: str | None, model: Any = None) -> list[bytes]:
+        """The hashes a replica gives the request's blocks. A request for a LoRA adapter (its `model`) is
+        hashed under the adapter's name and file digest, as the replicas hash it, once a replica's events
+        have named that digest (before that, as the base model's: the router cannot tell a new adapter's
+        name from the base model's)."""
         if not tokens:
             return []
-        return list(CacheRequest("route", tokens, hasher=self.hasher, cache_salt=cache_salt).block_hashes)
+        lora = self.lora_digests.get(model) if isinstance(model, str) else None
+        return list(CacheRequest("route", tokens, hasher=self.hasher, cache_salt=cache_salt,
+                                 lora_id=model if lora is not None else None, lora_content=lora).block_hashes)
 
     def pick(self, hashes: list[bytes], exclude: set[str]) -> tuple[str, int] | None:
         """The replica for a request with these block hashes (and its matched blocks), counting it in
@@ -506,7 +523,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             return _error(400, str(e))
         tokens, salt = await asyncio.to_thread(router.tokens_of, path, body)
         try:
-            hashes = router.block_hashes(tokens, salt)
+            hashes = router.block_hashes(tokens, salt, body.get("model"))
         except ValueError:  # token ids no tokenizer makes (a replica answers with the 400 that says why)
             hashes = []
         stream = bool(body.get("stream"))

@@ -46,14 +46,13 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def _untagged(keys: tuple[tuple[object, ...], ...]) -> tuple[Any, ...] | None:
-    """One block's extra keys as vLLM publishes them: LoRA name, (mm id, offset) pairs, salt, untagged."""
+    """One block's extra keys as vLLM publishes them: LoRA name (and kvpool's digest of the adapter's files
+    after it: part of the hash), (mm id, offset) pairs, salt, untagged."""
     out: list[Any] = []
     for k in keys:
         if k[0] == "mm":
             out.append([k[1], k[2]])
-        elif k[0] == "lora-content":
-            continue  # (kvpool's own: vLLM's keys name the adapter only)
-        else:
+        else:  # (LoRA: its name, then the digest of its files; a router hashes a LoRA request with both)
             out.append(k[1])
     return tuple(out) or None
 
