@@ -78,7 +78,7 @@ def test_cross_attention_admission_counts_encoder_tokens() -> None:
     (lambda: group_layers([]), "layer_specs: a model needs at least one layer"),
     (lambda: group_layers([FULL, FullAttentionSpec(block_size=8)]), "layer_specs: all layers need one block_size"),
     (lambda: KVCacheManager(8, BS, specs=[MAMBA], num_host_blocks=4, host_eviction="mru"),
-     "host_eviction: 'mru' is not one of ['arc', 'lhd', 'lru', 'prefix', 'reuse', 'slru']"),
+     "host_eviction: 'mru' is not one of ['adaptive', 'arc', 'lhd', 'lru', 'prefix', 'reuse', 'slru']"),
 ])
 def test_bad_specs_name_the_field(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=re.escape(message)):
