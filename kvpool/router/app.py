@@ -530,10 +530,13 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         tried: set[str] = set()
         last_error: tuple[int, bytes, str | None] | None = None  # the last retried answer, for the client
         headers = forward_headers(request)
+        left: str | None = None  # the replica the last attempt failed on
         for _ in range(max_attempts):
             picked = router.pick(hashes, tried)
             if picked is None:
                 break
+            if left is not None:  # (a retry is counted when another replica takes the request, not before)
+                router.metrics.retries.labels(left).inc()
             name = picked[0]
             tried.add(name)
             epoch = router.replicas[name].downs
@@ -583,7 +586,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                 return Response(status_code=499)
             if state == "down":
                 log.warning("router: replica %s went down with a request in flight; sending it elsewhere", name)
-            router.metrics.retries.labels(name).inc()
+            left = name
         router.metrics.failed.inc()
         if last_error is not None:  # every replica tried refused or failed: say so, as the last one did
             status, content, ctype = last_error

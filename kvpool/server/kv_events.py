@@ -112,7 +112,10 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
     for ev in events:
         if not isinstance(ev, dict) or "type" not in ev:
             raise ValueError(f"payload: event without a type tag: {ev!r}")
-    return float(batch[0]), events
+    ts = batch[0]
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise ValueError(f"payload: the batch's timestamp is not a number: {ts!r}")
+    return float(ts), events
 
 
 class KVEventPublisher:

@@ -123,6 +123,7 @@ def test_a_replica_answering_500_is_retried_and_routed_around(chat_llama_dir: Pa
     try:
         r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: boom"
+        assert metric(front.url, "kvpool_router:retries_total") == 0  # (no other replica took it)
     finally:
         front.stop()
         bad2.stop()

@@ -59,6 +59,8 @@ def test_batch_shape_is_vllms() -> None:
     assert [e["type"] for e in evs] == ["BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
     with pytest.raises(ValueError, match="payload"):
         decode_batch(b"\x93\x01")
+    with pytest.raises(ValueError, match="payload: the batch's timestamp is not a number: None"):
+        decode_batch(msgpack.packb([None, [], None]))
 
 
 def test_replay_socket_resends_from_a_sequence_number() -> None:
