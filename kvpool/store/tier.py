@@ -113,29 +113,35 @@ class StoreTier:
         if not want or not self.worker.store.available:
             return False  # nothing to read, or the store is known down: no request waits on it
         if self.slow:
-            self._read_behind(want, lambda new: self.worker.fetch(new), chain=True)
+            self._read_behind(want, self.worker.fetch, chain=True)
             return False
         if self.recompute_s_per_block is not None and self.block_bytes:
             est = self.stats.estimate_fetch_s(len(want) * self.block_bytes)
             if est is not None and est > self.recompute_s_per_block * len(want):
                 self.reads_skipped_slow += 1
                 return False
-        new = [h for h in want if h not in self._fetching]
-        if new:
-            self._fetches.append(_Fetch(new, self.worker.fetch(new), self.clock()))
-            self._fetching.update(new)
-        self._waiters[request_id] = _Waiter(want, self.clock() + self.deadline_s)
+        self._read(want, self.worker.fetch, chain=True)
+        return self._wait(request_id, want)
+
+    def _wait(self, request_id: str, keys: list[bytes]) -> bool:
+        """The request waits for `keys` to land, or for its deadline."""
+        self._waiters[request_id] = _Waiter(keys, self.clock() + self.deadline_s)
         self.requests_waited += 1
         return True
 
-    def _read_behind(self, want: list[bytes], read: Callable[[list[bytes]], Future[list[Any]]], chain: bool) -> None:
+    def _read(self, keys: list[bytes], start: Callable[[list[bytes]], Future[list[Any]]], chain: bool) -> None:
+        """Start reading the keys no earlier read is reading already (`start(keys)` gives the read's future)."""
+        new = [k for k in keys if k not in self._fetching]
+        if new:
+            self._fetches.append(_Fetch(new, start(new), self.clock(), chain=chain))
+            self._fetching.update(new)
+
+    def _read_behind(self, want: list[bytes], start: Callable[[list[bytes]], Future[list[Any]]], chain: bool) -> None:
         """A slow store: no request waits, and one read at a time goes out for blocks to land for later
         requests (and to find out when the store is fast again)."""
         self.reads_skipped_slow += 1
-        new = [h for h in want if h not in self._fetching]
-        if new and not self._fetches:
-            self._fetches.append(_Fetch(new, read(new), self.clock(), chain=chain))
-            self._fetching.update(new)
+        if not self._fetches:
+            self._read(want, start, chain)
 
     def request_arrived_with(self, request_id: str, keys: Sequence[bytes],
                              make_job: Callable[[list[bytes]], Callable[[Any], list[Any]]]) -> bool:
@@ -146,17 +152,15 @@ class StoreTier:
         want = list(keys)
         if not want or not self.worker.store.available:
             return False
+
+        def start(owned: list[bytes]) -> Future[list[Any]]:
+            return self.worker.submit(make_job(owned), [None] * len(owned))
+
         if self.slow:
-            self._read_behind(want, lambda owned: self.worker.submit(make_job(owned), [None] * len(owned)), chain=False)
+            self._read_behind(want, start, chain=False)
             return False
-        owned = [k for k in want if k not in self._fetching]
-        if owned:
-            self._fetches.append(_Fetch(owned, self.worker.submit(make_job(owned), [None] * len(owned)), self.clock(),
-                                        chain=False))
-            self._fetching.update(owned)
-        self._waiters[request_id] = _Waiter(want, self.clock() + self.deadline_s)
-        self.requests_waited += 1
-        return True
+        self._read(want, start, chain=False)
+        return self._wait(request_id, want)
 
     def land(self, shelter: Callable[[bytes], Any], release: Callable[[list[Any]], None], caches: Caches) -> int:
         """Write every completed read into host blocks. `shelter(hash)` gives a pinned host block (or None:
