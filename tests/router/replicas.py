@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,15 @@ def start_replica(model_dir: Path, events: bool = True, **engine_kw: Any) -> tup
     h = start_server(make_engine(model_dir, enable_kv_events=True, **engine_kw), served_model_name="tiny",
                      kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
     return h, ReplicaSpec(h.url, events=pub, replay=replay)
+
+
+def wait_until(what: Any, timeout: float = 10.0, poll: float = 0.02) -> Any:
+    """What `what()` gives once it is truthy; an AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(poll)
+    return got
 
 
 def start_front(specs: list[ReplicaSpec], tokenizer: Any, **kw: Any) -> RouterHandle:

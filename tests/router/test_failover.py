@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from fake_replica import CUT_EVENT, FakeReplica
-from replicas import free_port, start_front, start_replica
+from replicas import free_port, start_front, start_replica, wait_until
 from server_helpers import make_engine, metric
 
 from kvpool.router import app
@@ -30,14 +30,6 @@ from kvpool.router.app import ReplicaSpec, RouterHandle
 from kvpool.server.serve import ServerHandle, start_server
 
 SYSTEM = "You are a careful assistant. " * 12  # > 3 blocks of 16 tokens
-
-
-def wait_until(what: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := what()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-    return got
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from replicas import free_port, start_front, start_replica
+from replicas import free_port, start_front, start_replica, wait_until
 from server_helpers import leave_early, make_engine, metric
 
 from kvpool.router import admin
@@ -294,14 +294,6 @@ def test_a_pin_one_replica_refuses_is_undone_on_the_others(chat_llama_dir: Path,
             h.stop()
 
 
-def wait_until(what: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := what()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return got
-
-
 def test_a_replica_that_comes_back_or_restarts_gets_the_live_pins(
         chat_llama_dir: Path, chat_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(admin, "PIN_CHECK_S", 0.1)
@@ -324,19 +316,20 @@ def test_a_replica_that_comes_back_or_restarts_gets_the_live_pins(
         pin = r.json()
         assert pin["missing"] == [late_url] and list(pin["replicas"]) == [up.url]
         late = start_server(make_engine(chat_llama_dir), served_model_name="tiny", port=port)
-        first = wait_until(lambda: held(late))
+        first = wait_until(lambda: held(late), timeout=20.0)
         assert len(first) == 1 and first[0]["num_blocks"] == 2 and 590 < first[0]["expires_in"] < 600
         # The router names the new pin, and the replica that held it all along still holds its first one.
-        listed = wait_until(lambda: (d := httpx.get(f"{front.url}/v1/pins").json()["data"])[0]["missing"] == [] and d)
+        listed = wait_until(lambda: (d := httpx.get(f"{front.url}/v1/pins").json()["data"])[0]["missing"] == [] and d,
+                            timeout=20.0)
         assert listed[0]["replicas"] == {up.url: pin["replicas"][up.url], late_url: first[0]["id"]}
         assert [p["id"] for p in held(up)] == [pin["replicas"][up.url]]
 
         late.stop()  # a restart: the fresh process holds no pins, and gets this one again
         late = start_server(make_engine(chat_llama_dir), served_model_name="tiny", port=port)
-        again = wait_until(lambda: held(late))
+        again = wait_until(lambda: held(late), timeout=20.0)
         assert len(again) == 1 and again[0]["num_blocks"] == 2
         wait_until(lambda: httpx.get(f"{front.url}/v1/pins").json()["data"][0]["replicas"].get(late_url)
-                   == again[0]["id"])
+                   == again[0]["id"], timeout=20.0)
         # Unpinned through the router: gone everywhere, and not made again.
         assert httpx.delete(f"{front.url}/v1/pins/{pin['id']}").json()["deleted"] is True
         time.sleep(0.5)

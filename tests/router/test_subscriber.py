@@ -6,6 +6,7 @@ is skipped like a lost one, and the thread goes on; an endpoint ZeroMQ refuses f
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgpack
 import pytest
@@ -30,10 +31,16 @@ def wait_for(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def
         time.sleep(0.02)
 
 
-def test_catch_up_live_and_restart() -> None:
+def publisher(**kw: Any) -> tuple[KVEventPublisher, str, str]:
+    """A bound publisher with a replay socket on free loopback ports: it, its endpoint, its replay endpoint."""
     pub_ep, replay_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep)
+    pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep, **kw)
     pub.bind()
+    return pub, pub_ep, replay_ep
+
+
+def test_catch_up_live_and_restart() -> None:
+    pub, pub_ep, replay_ep = publisher()
     for i in range(3):
         pub.publish(stored(bytes([i])))
     time.sleep(0.2)
@@ -62,9 +69,7 @@ def test_catch_up_live_and_restart() -> None:
 def test_a_replay_that_starts_later_than_asked_is_still_applied() -> None:
     """A router started once the replica's replay buffer has moved past batch 0 learns what the buffer
     holds (a subset of what the replica caches: what was stored before it stays unknown)."""
-    pub_ep, replay_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep, buffer_steps=10)
-    pub.bind()
+    pub, pub_ep, replay_ep = publisher(buffer_steps=10)
     for i in range(30):
         pub.publish(stored(bytes([i])))
     time.sleep(0.2)
