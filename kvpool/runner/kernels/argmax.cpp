@@ -115,7 +115,7 @@ int64_t argmax_avx2(const float* x, int64_t n) {
 // logits: (B, V) contiguous bfloat16 or float32 -> (B,) int64.
 at::Tensor argmax_rows(const at::Tensor& logits) {
   const bool f32 = logits.scalar_type() == at::kFloat;
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && (f32 || logits.scalar_type() == at::kBFloat16) &&
+  KV_CHECK(logits.dim() == 2 && logits.is_contiguous() && (f32 || logits.scalar_type() == at::kBFloat16) &&
                   logits.size(1) > 0,
               "logits must be a contiguous bfloat16 or float32 (B, V) tensor with V > 0");
   const int64_t rows = logits.size(0), n = logits.size(1);

@@ -5,11 +5,15 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -22,6 +26,28 @@
 #endif
 
 namespace kvpool_kernels {
+
+// Error messages, assembled as plain strings: numbers through std::to_string, dtypes through c10::toString.
+// TORCH_CHECK would stream its arguments into an ostringstream, and streaming a number into one from this
+// library killed the process with a segfault on an H100 host (torch 2.11+cu130, g++ 13.3: the stream's
+// num_put facet lookup jumped into std::codecvt), so a bad block id was a crash instead of a RuntimeError.
+// Strings alone never touch a locale facet. KV_CHECK is the one check every kernel uses.
+inline void append_to(std::string& s, std::string_view v) { s.append(v); }
+inline void append_to(std::string& s, const char* v) { s.append(v); }
+inline void append_to(std::string& s, c10::ScalarType t) { s.append(c10::toString(t)); }
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void append_to(std::string& s, T v) {
+  s.append(std::to_string(v));
+}
+
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::string s;
+  (append_to(s, args), ...);
+  return s;
+}
+
+#define KV_CHECK(cond, ...) TORCH_CHECK(cond, ::kvpool_kernels::message(__VA_ARGS__))
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

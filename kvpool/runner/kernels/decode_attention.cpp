@@ -344,23 +344,23 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lows, const at::Tensor& lens,
                                   double scale, at::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, heads, head_dim) tensor");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+  KV_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, heads, head_dim) tensor");
+  KV_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous and shaped and typed like q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+  KV_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must share one (kv_heads, blocks, block_size, head_dim) layout");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+  KV_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must share one dtype");
-  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  KV_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
-  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "heads / kv_heads must be a whole number <= ",
+  KV_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
+  KV_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "heads / kv_heads must be a whole number <= ",
               kMaxGroup);
-  TORCH_CHECK(dim <= kMaxDim && k_cache.size(2) <= kMaxBlock, "head_dim <= ", kMaxDim, " and block_size <= ",
+  KV_CHECK(dim <= kMaxDim && k_cache.size(2) <= kMaxBlock, "head_dim <= ", kMaxDim, " and block_size <= ",
               kMaxBlock, " only");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kLong &&
+  KV_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kLong &&
                   tables.is_contiguous(), "tables must be a contiguous int64 (B, W) tensor");
-  TORCH_CHECK(lows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && lows.is_contiguous() &&
+  KV_CHECK(lows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && lows.is_contiguous() &&
                   lens.is_contiguous() && lows.numel() == q.size(0) && lens.numel() == q.size(0),
               "lows and lens must be contiguous int64 (B,) tensors");
   const int64_t* lo = lows.const_data_ptr<int64_t>();
@@ -368,11 +368,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t* tp = tables.const_data_ptr<int64_t>();
   const int64_t width = tables.size(1), block_size = k_cache.size(2), blocks = k_cache.size(1);
   for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(0 <= lo[b] && lo[b] < ln[b] && ln[b] <= width * block_size, "sequence ", b, ": keys [", lo[b],
+    KV_CHECK(0 <= lo[b] && lo[b] < ln[b] && ln[b] <= width * block_size, "sequence ", b, ": keys [", lo[b],
                 ", ", ln[b], ") do not fit its ", width, " blocks");
     // Out-of-range ids would read outside the caches: refuse them here rather than fault mid-kernel.
     for (int64_t j = lo[b] / block_size; j <= (ln[b] - 1) / block_size; ++j) {
-      TORCH_CHECK(0 <= tp[b * width + j] && tp[b * width + j] < blocks, "sequence ", b, ": block id ",
+      KV_CHECK(0 <= tp[b * width + j] && tp[b * width + j] < blocks, "sequence ", b, ": block id ",
                   tp[b * width + j], " is outside the cache's ", blocks, " blocks");
     }
   }
@@ -381,7 +381,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   } else if (q.scalar_type() == at::kBFloat16) {
     decode_all<c10::BFloat16>(q, k_cache, v_cache, tables, lows, lens, scale, out);
   } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 and bfloat16 only, got ", q.scalar_type());
+    KV_CHECK(false, "paged_decode_attention: float32 and bfloat16 only, got ", q.scalar_type());
   }
   return out;
 }

@@ -54,12 +54,12 @@ inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __m
 
 // bf16, or fp32 (the generic loops, which the compiler vectorizes for the machine): `like`'s dtype.
 void check_same(const at::Tensor& t, const at::Tensor& like, const char* name) {
-  TORCH_CHECK(t.scalar_type() == like.scalar_type() && t.is_contiguous(), name, " must be a contiguous ",
+  KV_CHECK(t.scalar_type() == like.scalar_type() && t.is_contiguous(), name, " must be a contiguous ",
               like.scalar_type(), " tensor like the input");
 }
 
 void check_float_or_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK((t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat) && t.is_contiguous(), name,
+  KV_CHECK((t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat) && t.is_contiguous(), name,
               " must be a contiguous bfloat16 or float32 tensor");
 }
 
@@ -87,7 +87,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, a
   check_same(weight, x, "weight");
   check_same(out, x, "out");
   const int64_t h = weight.numel();
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == h && out.sizes() == x.sizes(), "x and out must be (..., ", h, ")");
+  KV_CHECK(x.dim() >= 1 && x.size(-1) == h && out.sizes() == x.sizes(), "x and out must be (..., ", h, ")");
   if (x.scalar_type() == at::kFloat) {
     rms_norm_rows<float>(x, weight, static_cast<float>(eps), out);
   } else {
@@ -135,7 +135,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
   check_float_or_bf16(gate_up, "gate_up");
   check_same(out, gate_up, "out");
   const int64_t n = out.size(-1);
-  TORCH_CHECK(gate_up.size(-1) == 2 * n && gate_up.numel() == 2 * out.numel(), "gate_up must be out's rows, twice as wide");
+  KV_CHECK(gate_up.size(-1) == 2 * n && gate_up.numel() == 2 * out.numel(), "gate_up must be out's rows, twice as wide");
   if (gate_up.scalar_type() == at::kFloat) {
     silu_and_mul_rows<float>(gate_up, out);
   } else {
@@ -199,19 +199,19 @@ void rotary_rows(const at::Tensor& x, const int64_t* pos, const at::Tensor& cos,
 // x's dtype as the unfused x1 * cos - x2 * sin (with cos, sin first cast to that dtype) rounds it.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                   at::Tensor out) {
-  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 3 && x.stride(2) == 1,
+  KV_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 3 && x.stride(2) == 1,
               "x must be a bfloat16 or float32 (T, heads, head_dim) tensor with head_dim contiguous");
   check_same(out, x, "out");
-  TORCH_CHECK(out.sizes() == x.sizes(), "out must be shaped like x");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+  KV_CHECK(out.sizes() == x.sizes(), "out must be shaped like x");
+  KV_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
               "positions must be a contiguous int64 (T,) tensor");
   const int64_t d = x.size(2), half = d / 2;
-  TORCH_CHECK(d % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+  KV_CHECK(d % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(),
               "cos and sin must be contiguous float32 (max_position, head_dim / 2) tables");
   const int64_t* pos = positions.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < x.size(0); ++t) {
-    TORCH_CHECK(0 <= pos[t] && pos[t] < cos.size(0), "position ", pos[t], " is outside the rotary table's ",
+    KV_CHECK(0 <= pos[t] && pos[t] < cos.size(0), "position ", pos[t], " is outside the rotary table's ",
                 cos.size(0), " positions");
   }
   if (x.scalar_type() == at::kFloat) {

@@ -26,21 +26,21 @@ using kvpool_kernels::with_kv_elem;
 // block_size, offset slots[t] % block_size. Slots must be distinct.
 void check_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& slots) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+  KV_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be (T, kv_heads, head_dim) tensors with head_dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+  KV_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be contiguous (kv_heads, blocks, block_size, head_dim)");
   const bool narrowed = k.scalar_type() == at::kFloat && narrow_kv(k_cache.scalar_type());
-  TORCH_CHECK((k.scalar_type() == k_cache.scalar_type() || narrowed) && v.scalar_type() == k.scalar_type() &&
+  KV_CHECK((k.scalar_type() == k_cache.scalar_type() || narrowed) && v.scalar_type() == k.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "k, v and the caches must share one dtype (or be float32 into bfloat16, float16 or fp8 caches)");
-  TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
+  KV_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3), "k and the caches disagree on kv_heads or head_dim");
+  KV_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
               "slots must be a contiguous int64 (T,) tensor");
   const int64_t capacity = k_cache.size(1) * k_cache.size(2);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < k.size(0); ++t) {
-    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "token ", t, ": slot ", sp[t], " is outside the cache's ", capacity, " slots");
+    KV_CHECK(0 <= sp[t] && sp[t] < capacity, "token ", t, ": slot ", sp[t], " is outside the cache's ", capacity, " slots");
   }
 }
 
@@ -112,8 +112,8 @@ inline void put(C* dst, const float* src, int64_t dim) {
 template <typename C>
 void write_kv_f32(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& slots, bool packed) {
-  TORCH_CHECK(!packed || k_cache.size(2) % 8 == 0, "packed float32 caches need blocks of a multiple of 8 tokens");
-  TORCH_CHECK(!packed || sizeof(C) != 1 || k.size(2) <= 256, "packed fp8 caches take head_dim <= 256");
+  KV_CHECK(!packed || k_cache.size(2) % 8 == 0, "packed float32 caches need blocks of a multiple of 8 tokens");
+  KV_CHECK(!packed || sizeof(C) != 1 || k.size(2) <= 256, "packed fp8 caches take head_dim <= 256");
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), head_stride = k_cache.stride(0);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const float* kp = k.const_data_ptr<float>();
@@ -187,8 +187,8 @@ void write_kv_packed(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cach
     write_kv_from_f32(k, v, k_cache, v_cache, slots, true);
     return;
   }
-  TORCH_CHECK(k_cache.element_size() == 2, "packed caches hold float32 or a 16-bit dtype");
-  TORCH_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(3) % 2 == 0, "packed caches need blocks of a multiple of 16 tokens");
+  KV_CHECK(k_cache.element_size() == 2, "packed caches hold float32 or a 16-bit dtype");
+  KV_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(3) % 2 == 0, "packed caches need blocks of a multiple of 16 tokens");
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2), pairs = dim / 2, head_stride = k_cache.stride(0);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const auto* kp = static_cast<const uint16_t*>(k.const_data_ptr());

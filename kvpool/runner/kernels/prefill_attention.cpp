@@ -500,26 +500,26 @@ void check_paged_layout(const at::Tensor& q, const at::Tensor& out, const at::Te
                         const at::Tensor& v_cache, at::ScalarType dtype, int64_t max_group, bool packed) {
   const at::ScalarType kc = k_cache.scalar_type();
   const at::ScalarType kv = dtype == at::kFloat && narrow_kv(kc) ? kc : dtype;
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == dtype, "q must be a contiguous ", dtype,
+  KV_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == dtype, "q must be a contiguous ", dtype,
               " (rows, heads, head_dim) tensor");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+  KV_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous and shaped and typed like q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+  KV_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.scalar_type() == kv && v_cache.scalar_type() == kv,
               "k_cache and v_cache must share one ", dtype, " (or, under float32 queries, bfloat16, float16 or fp8) "
               "(kv_heads, blocks, block_size, head_dim) layout");
-  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
-  TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= max_group,
+  KV_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
+  KV_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
+  KV_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= max_group,
               "heads / kv_heads must be a whole number <= ", max_group);
-  TORCH_CHECK(!packed || (k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3)),
+  KV_CHECK(!packed || (k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3)),
               "packed caches must have each block's tokens contiguous");
 }
 
 void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       bool packed) {
   check_paged_layout(q, out, k_cache, v_cache, at::kBFloat16, kMaxRows, packed);
-  TORCH_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
+  KV_CHECK(prefill_supported(q.size(2), k_cache.size(2)),
               "needs AVX-512 BF16, head_dim 64, 128 or 256 and block_size a multiple of 16");
 }
 
@@ -528,11 +528,11 @@ void check_paged_bf16(const at::Tensor& q, const at::Tensor& out, const at::Tens
 void check_paged_f32(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      bool packed) {
   check_paged_layout(q, out, k_cache, v_cache, at::kFloat, 16, packed);
-  TORCH_CHECK(q.size(2) <= 256 && k_cache.size(2) <= 256, "head_dim <= 256 and block_size <= 256 only");
-  TORCH_CHECK(!packed || prefill_f32_supported(q.size(2), k_cache.size(2)),
+  KV_CHECK(q.size(2) <= 256 && k_cache.size(2) <= 256, "head_dim <= 256 and block_size <= 256 only");
+  KV_CHECK(!packed || prefill_f32_supported(q.size(2), k_cache.size(2)),
               "packed: float32 caches in the packed layout need AVX2 and FMA, head_dim 64, 128 or 256 and block_size "
               "a multiple of 8");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || prefill_f32_supported(q.size(2), k_cache.size(2)),
+  KV_CHECK(k_cache.scalar_type() == at::kFloat || prefill_f32_supported(q.size(2), k_cache.size(2)),
               "16-bit and fp8 caches under float32 queries need AVX2 and FMA, head_dim 64, 128 or 256 and block_size a "
               "multiple of 8");
 }
@@ -556,7 +556,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const bool f32 = q.scalar_type() == at::kFloat;
   if (f32) {
     check_paged_f32(q, out, k_cache, v_cache, packed);
-    TORCH_CHECK(prefill_f32_supported(q.size(2), k_cache.size(2)),
+    KV_CHECK(prefill_f32_supported(q.size(2), k_cache.size(2)),
                 "float32 prompts need AVX2 and FMA, head_dim 64, 128 or 256 and block_size a multiple of 8");
   } else {
     check_paged_bf16(q, out, k_cache, v_cache, packed);
@@ -565,10 +565,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   [[maybe_unused]] const int64_t dim = q.size(2);  // used by the AVX-512 build only
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
   for (const auto* t : {&q_starts, &q_lens, &ctx_lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == tables.size(0),
+    KV_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == tables.size(0),
                 "q_starts, q_lens and ctx_lens must be contiguous int64 (S,) tensors, one entry per table row");
   }
-  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(),
+  KV_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(),
               "tables must be a contiguous int64 (S, W) tensor");
   const int64_t n_seq = tables.size(0), width = tables.size(1), group = heads / kv_heads;
   const int64_t* qs = q_starts.const_data_ptr<int64_t>();
@@ -579,13 +579,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   std::vector<Task> tasks;
   const int64_t tile = std::max<int64_t>(1, (f32 ? kPrefillF32Rows : kMaxRows) / group);
   for (int64_t i = 0; i < n_seq; ++i) {
-    TORCH_CHECK(ql[i] >= 1 && qs[i] >= 0 && qs[i] + ql[i] <= n_tok, "sequence ", i, ": rows [", qs[i], ", ",
+    KV_CHECK(ql[i] >= 1 && qs[i] >= 0 && qs[i] + ql[i] <= n_tok, "sequence ", i, ": rows [", qs[i], ", ",
                 qs[i] + ql[i], ") are not in q's ", n_tok, " rows");
-    TORCH_CHECK(ql[i] <= cl[i] && cl[i] <= width * block_size, "sequence ", i, ": ", ql[i], " queries and ", cl[i],
+    KV_CHECK(ql[i] <= cl[i] && cl[i] <= width * block_size, "sequence ", i, ": ", ql[i], " queries and ", cl[i],
                 " keys do not fit its ", width, " blocks");
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, cl[i] - ql[i] - window + 1) : 0;
     for (int64_t j = first_key / block_size; j <= (cl[i] - 1) / block_size; ++j) {
-      TORCH_CHECK(0 <= tp[i * width + j] && tp[i * width + j] < blocks, "sequence ", i, ": block id ",
+      KV_CHECK(0 <= tp[i * width + j] && tp[i * width + j] < blocks, "sequence ", i, ": block id ",
                   tp[i * width + j], " is outside the cache's ", blocks, " blocks");
     }
     seqs.push_back({qs[i], ql[i], cl[i], tp + i * width});
@@ -627,16 +627,16 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
   } else {
     check_paged_bf16(q, out, k_cache, v_cache, packed);
   }
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+  KV_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
               "rows must be a contiguous int64 (B,) tensor");
   const int64_t batch = rows.size(0), heads = q.size(1);
   [[maybe_unused]] const int64_t dim = q.size(2);  // used by the AVX-512 build only
   const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong &&
+  KV_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong &&
                   tables.is_contiguous(), "tables must be a contiguous int64 (B, W) tensor");
-  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == batch,
+  KV_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == batch,
               "lens must be a contiguous int64 (B,) tensor");
-  TORCH_CHECK(group_starts.scalar_type() == at::kLong && shared.scalar_type() == at::kLong &&
+  KV_CHECK(group_starts.scalar_type() == at::kLong && shared.scalar_type() == at::kLong &&
                   group_starts.is_contiguous() && shared.is_contiguous() && group_starts.numel() == shared.numel() + 1,
               "group_starts (G + 1,) and shared (G,) must be contiguous int64 tensors");
   const int64_t width = tables.size(1), group = heads / kv_heads, n_groups = shared.numel();
@@ -645,25 +645,25 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t* gs = group_starts.const_data_ptr<int64_t>();
   const int64_t* sh = shared.const_data_ptr<int64_t>();
   const int64_t* ro = rows.const_data_ptr<int64_t>();
-  TORCH_CHECK(gs[0] == 0 && gs[n_groups] == batch, "group_starts must run from 0 to B");
+  KV_CHECK(gs[0] == 0 && gs[n_groups] == batch, "group_starts must run from 0 to B");
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(0 <= ro[b] && ro[b] < q.size(0), "sequence ", b, ": row ", ro[b], " is not in q's ", q.size(0), " rows");
-    TORCH_CHECK(1 <= ln[b] && ln[b] <= width * block_size, "sequence ", b, ": ", ln[b], " keys do not fit its ", width,
+    KV_CHECK(0 <= ro[b] && ro[b] < q.size(0), "sequence ", b, ": row ", ro[b], " is not in q's ", q.size(0), " rows");
+    KV_CHECK(1 <= ln[b] && ln[b] <= width * block_size, "sequence ", b, ": ", ln[b], " keys do not fit its ", width,
                 " blocks");
     for (int64_t j = 0; j <= (ln[b] - 1) / block_size; ++j) {
-      TORCH_CHECK(0 <= tp[b * width + j] && tp[b * width + j] < blocks, "sequence ", b, ": block id ",
+      KV_CHECK(0 <= tp[b * width + j] && tp[b * width + j] < blocks, "sequence ", b, ": block id ",
                   tp[b * width + j], " is outside the cache's ", blocks, " blocks");
     }
   }
   std::vector<Task> tasks;  // (first sequence, kv head, count): seq holds the group
   const int64_t per_task = std::max<int64_t>(1, kMaxRows / group);
   for (int64_t i = 0; i < n_groups; ++i) {
-    TORCH_CHECK(gs[i] < gs[i + 1], "group ", i, " is empty");
-    TORCH_CHECK(sh[i] >= 0 && sh[i] % block_size == 0, "group ", i, ": shared keys must be whole blocks");
+    KV_CHECK(gs[i] < gs[i + 1], "group ", i, " is empty");
+    KV_CHECK(sh[i] >= 0 && sh[i] % block_size == 0, "group ", i, ": shared keys must be whole blocks");
     for (int64_t b = gs[i]; b < gs[i + 1]; ++b) {
-      TORCH_CHECK(sh[i] <= ln[b], "group ", i, ": ", sh[i], " shared keys, but sequence ", b, " has ", ln[b]);
+      KV_CHECK(sh[i] <= ln[b], "group ", i, ": ", sh[i], " shared keys, but sequence ", b, " has ", ln[b]);
       for (int64_t j = 0; j < sh[i] / block_size; ++j) {
-        TORCH_CHECK(tp[b * width + j] == tp[gs[i] * width + j], "group ", i, ": sequence ", b,
+        KV_CHECK(tp[b * width + j] == tp[gs[i] * width + j], "group ", i, ": sequence ", b,
                     " does not share block ", j, " with the group's first sequence");
       }
     }
