@@ -42,4 +42,8 @@ def test_fp32_needs_the_padding() -> None:
         x = torch.randn(max(ROW_COUNTS), in_f, generator=g)
         varies += len(first_row_variants(lambda t, lin=lin: F.linear(t, lin.weight), x)) > 1
         assert len(first_row_variants(RowPaddedLinear(lin), x)) == 1, (out_f, in_f)
-    assert varies > 0  # else the padding would be dead weight: the premise of kvpool.runner.invariant
+    # The premise of kvpool.runner.invariant: plain fp32 matmul gives a row different bits as the row count
+    # changes (oneDNN/MKL pick other blockings). On the AMD hosts kvpool is built on it does; an Intel Xeon
+    # beside an H100 gave every row count the same bits, where the padding is harmless but not needed.
+    if varies == 0:
+        pytest.skip("this machine's fp32 matmul gives a row the same bits at every row count")
