@@ -6,8 +6,10 @@ tokenizer and chat template, hash its blocks with the replicas' `BlockHasher` se
 algorithm, seed, cache salt), look the hashes up in the index fed by every replica's KV events, choose a
 replica (`kvpool.router.policy`), and proxy the request there, streaming included. A replica that cannot
 be reached, or answers 500/502/503/504, before anything was sent to the client has the request sent to the
-next best replica (a run of 500/502/504 answers, or a connection error, marks it down); once bytes have
-reached the client the request stays where it is. A stream counts as started at its first event that
+next best replica (a run of 500/502/504 answers, or a connection error, marks it down). Once bytes have
+reached the client, a stream whose replica fails (its connection breaks, or it is marked down) is finished
+by another replica when that one would answer with the same text (greedy or seeded, one choice:
+`kvpool.router.resume`), and otherwise ends with an error event. A stream counts as started at its first event that
 carries something (text, a tool call, a finish reason, an error): a chat stream's first event, the role
 alone, is sent by the replica as soon as the request is queued, and is held back until then. A request
 whose replica is marked down (by the health checks, say it froze) while nothing has reached the client yet
@@ -31,7 +33,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -46,6 +48,7 @@ from kvpool.core.request import CacheRequest
 from kvpool.router.admin import add_admin_routes, forward_headers
 from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
+from kvpool.router.resume import Diverged, StreamText, resumable
 from kvpool.router.subscriber import EventSubscriber
 from kvpool.server.errors import APIError, add_error_handlers, read_raw, until_disconnected
 from kvpool.server.json_body import BodyError, parse_json_object
@@ -113,6 +116,9 @@ class RouterMetrics:
                                           buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), registry=r)
         self.retries = Counter("kvpool_router:retries", "Requests resent to another replica before streaming.",
                                ["replica"], registry=r)
+        self.taken_up = Counter("kvpool_router:streams_taken_up",
+                                "Streams another replica finished after this one failed mid-stream.", ["replica"],
+                                registry=r)
         self.failed = Counter("kvpool_router:requests_failed", "Requests no replica could take (HTTP 503).",
                               registry=r)
         self.healthy = Gauge("kvpool_router:replica_healthy", "1 if the replica answers its health check.",
@@ -172,7 +178,7 @@ class Router:
         self.metrics = RouterMetrics()
         for n in self.replicas:  # export zeros from the start, so a dashboard sees every replica
             for c in (self.metrics.hash_mismatch, self.metrics.event_batches, self.metrics.retries,
-                      self.metrics.event_errors):
+                      self.metrics.taken_up, self.metrics.event_errors):
                 c.labels(n)
             self.metrics.healthy.labels(n).set(1)
         self._lock = threading.Lock()
@@ -531,62 +537,80 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         last_error: tuple[int, bytes, str | None] | None = None  # the last retried answer, for the client
         headers = forward_headers(request)
         left: str | None = None  # the replica the last attempt failed on
-        for _ in range(max_attempts):
-            picked = router.pick(hashes, tried)
-            if picked is None:
-                break
-            if left is not None:  # (a retry is counted when another replica takes the request, not before)
-                router.metrics.retries.labels(left).inc()
-            name = picked[0]
-            tried.add(name)
-            epoch = router.replicas[name].downs
-            resp: httpx.Response | None = None
-            committed = False  # the response is the client's now (and `done` is `_relay`'s to call)
-            try:
-                req = client.build_request("POST", f"{name}{path}", content=raw, headers=headers)
-                # A non-streaming answer's headers come when it is complete: watch the client meanwhile,
-                # and the replica's health (a frozen one never answers, nor drops the connection).
-                state, resp = await _watch(client.send(req, stream=True), request, router, name, epoch)
-                if state == "ok" and resp is not None and resp.status_code in _RETRIED:
-                    # Overloaded, its engine died, or it failed: try another before giving up.
-                    content = b""
-                    with contextlib.suppress(httpx.HTTPError, asyncio.TimeoutError):
-                        content = await asyncio.wait_for(resp.aread(), 5.0)
-                    last_error = (resp.status_code, content, resp.headers.get("content-type"))
-                    router.answered(name, resp.status_code)
+
+        async def attempt() -> Response | _Upstream | None:
+            """The next replica's answer: a whole Response, a stream's _Upstream whose first event that
+            carries something has come, or None when no replica (of `max_attempts`) could take it."""
+            nonlocal last_error, left
+            while len(tried) < max_attempts:
+                picked = router.pick(hashes, tried)
+                if picked is None:
+                    return None
+                if left is not None:  # (a retry is counted when another replica takes the request, not before)
+                    router.metrics.retries.labels(left).inc()
+                name = picked[0]
+                tried.add(name)
+                epoch = router.replicas[name].downs
+                resp: httpx.Response | None = None
+                committed = False  # the response is the client's now (and `done` is `_relay`'s to call)
+                try:
+                    req = client.build_request("POST", f"{name}{path}", content=raw, headers=headers)
+                    # A non-streaming answer's headers come when it is complete: watch the client meanwhile,
+                    # and the replica's health (a frozen one never answers, nor drops the connection).
+                    state, resp = await _watch(client.send(req, stream=True), request, router, name, epoch)
+                    if state == "ok" and resp is not None and resp.status_code in _RETRIED:
+                        # Overloaded, its engine died, or it failed: try another before giving up.
+                        content = b""
+                        with contextlib.suppress(httpx.HTTPError, asyncio.TimeoutError):
+                            content = await asyncio.wait_for(resp.aread(), 5.0)
+                        last_error = (resp.status_code, content, resp.headers.get("content-type"))
+                        router.answered(name, resp.status_code)
+                        state = "retry"
+                    elif state == "ok" and resp is not None and not stream:
+                        state, content = await _watch(resp.aread(), request, router, name, epoch)
+                        if state == "ok" and content is not None:
+                            router.answered(name, resp.status_code)
+                            return Response(content, status_code=resp.status_code,
+                                            media_type=resp.headers.get("content-type"),
+                                            headers={"x-kvpool-replica": name})
+                    elif state == "ok" and resp is not None:
+                        # Streaming: hold the events back until one carries something (see `_stream_head`),
+                        # so a replica that dies or freezes before answering is still retried elsewhere.
+                        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                        chunks = resp.aiter_raw()
+                        state, head = await _watch(_stream_head(chunks, sse), request, router, name, epoch)
+                        if state == "ok" and head is not None:
+                            router.answered(name, resp.status_code)
+                            committed = True
+                            return _Upstream(name, epoch, resp, chunks, head, sse)
+                except httpx.HTTPError:  # refused, reset, or died mid-answer: the client has seen nothing yet
+                    router.mark_down(name)
                     state = "retry"
-                elif state == "ok" and resp is not None and not stream:
-                    state, content = await _watch(resp.aread(), request, router, name, epoch)
-                    if state == "ok" and content is not None:
-                        router.answered(name, resp.status_code)
-                        return Response(content, status_code=resp.status_code,
-                                        media_type=resp.headers.get("content-type"), headers={"x-kvpool-replica": name})
-                elif state == "ok" and resp is not None:
-                    # Streaming: hold the events back until one carries something (see `_stream_head`), so a
-                    # replica that dies or freezes before answering is still retried elsewhere.
-                    sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-                    chunks = resp.aiter_raw()
-                    state, head = await _watch(_stream_head(chunks, sse), request, router, name, epoch)
-                    if state == "ok" and head is not None:
-                        router.answered(name, resp.status_code)
-                        committed = True
-                        return StreamingResponse(_relay(head, chunks, resp, router, name, sse),
-                                                 status_code=resp.status_code,
-                                                 media_type=resp.headers.get("content-type"),
-                                                 headers={"Cache-Control": "no-cache", "x-kvpool-replica": name})
-            except httpx.HTTPError:  # refused, reset, or died mid-answer: the client has seen nothing yet
-                router.mark_down(name)
-                state = "retry"
-            finally:
-                if not committed:  # (closing the connection mid-answer makes the replica abort the request)
-                    if resp is not None:
-                        await resp.aclose()
-                    router.done(name)
-            if state == "gone":  # the client left
-                return Response(status_code=499)
-            if state == "down":
-                log.warning("router: replica %s went down with a request in flight; sending it elsewhere", name)
-            left = name
+                finally:
+                    if not committed:  # (closing the connection mid-answer makes the replica abort the request)
+                        if resp is not None:
+                            await resp.aclose()
+                        router.done(name)
+                if state == "gone":  # the client left
+                    return Response(status_code=499)
+                if state == "down":
+                    log.warning("router: replica %s went down with a request in flight; sending it elsewhere", name)
+                left = name
+            return None
+
+        async def take_up() -> _Upstream | None:
+            got = await attempt()
+            return got if isinstance(got, _Upstream) else None
+
+        got = await attempt()
+        if isinstance(got, _Upstream):
+            # A stream another replica would repeat is finished there if this one fails mid-way.
+            again = take_up if got.sse and resumable(body) else None
+            return StreamingResponse(_relay(got, router, again), status_code=got.resp.status_code,
+                                     media_type=got.resp.headers.get("content-type"),
+                                     headers={"Cache-Control": "no-cache", "x-kvpool-replica": got.name})
+        if got is not None:
+            return got
         router.metrics.failed.inc()
         if last_error is not None:  # every replica tried refused or failed: say so, as the last one did
             status, content, ctype = last_error
@@ -673,35 +697,108 @@ async def _stream_head(chunks: AsyncIterator[bytes], sse: bool) -> bytes:
             return buf
 
 
-async def _relay(head: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, router: Router, name: str,
-                 sse: bool) -> AsyncIterator[bytes]:
-    """The stream to the client, whole events at a time: when the replica fails mid-stream the partial
-    event it left is dropped, and the client's parser sees a clean error event, then the end."""
-    tail = b""  # the start of an event not yet complete
+@dataclass
+class _Upstream:
+    """A replica's stream to the client: its first events (`head`), held back until one carried something,
+    and the rest still to come."""
+
+    name: str
+    epoch: int  # the replica's `downs` when the request was sent
+    resp: httpx.Response
+    chunks: AsyncIterator[bytes]
+    head: bytes
+    sse: bool
+
+    async def next(self, router: Router) -> bytes | None:
+        """The next bytes (None at the end); _Down once the replica is marked down (say its health checks
+        found it frozen mid-stream: it would never send another byte, nor close the connection)."""
+        rep = router.replicas[self.name]
+        task = asyncio.ensure_future(self.chunks.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_WATCH_POLL_S)
+                if done:
+                    try:
+                        return task.result()
+                    except StopAsyncIteration:
+                        return None
+                if rep.downs != self.epoch:
+                    raise _Down(f"replica {self.name} was marked down")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, StopAsyncIteration):
+                    await task
+
+    async def close(self, router: Router) -> None:
+        await self.resp.aclose()  # (mid-answer: the replica aborts the request and frees its blocks)
+        router.done(self.name)
+
+
+class _Down(Exception):
+    pass
+
+
+async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[_Upstream | None]] | None
+                 ) -> AsyncIterator[bytes]:
+    """The stream to the client, whole events at a time. When the replica fails mid-stream (the connection
+    breaks, or it is marked down) the partial event it left is dropped; then `take_up` (for a request
+    another replica answers with the same text: `kvpool.router.resume`) has another replica finish the
+    stream, and otherwise, or if none can, the client's parser sees a clean error event, then the end."""
+    cursor = StreamText() if take_up is not None else None
+    following = False  # relaying a replacement, through `cursor.follow`
+    current: _Upstream | None = up  # (None once closed)
     try:
-        data = head
         while True:
-            if sse:
-                data = tail + data
-                _, end = _events(data)
-                if len(data) - end > _HEAD_LIMIT:  # no event boundary the router knows: pass it on as it is
-                    end = len(data)
-                data, tail = data[:end], data[end:]
-            if data:
-                yield data
+            tail = b""  # the start of an event not yet complete
             try:
-                data = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-        if tail:
-            yield tail  # (the replica's own last bytes, as it ended them)
-    except httpx.HTTPError as e:
-        router.mark_down(name)
-        err = APIError(503, f"replica failed mid-stream: {e}").body()
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                data: bytes | None = up.head
+                while data is not None:
+                    if up.sse:
+                        data = tail + data
+                        payloads, end = _events(data)
+                        if len(data) - end > _HEAD_LIMIT:  # no event boundary the router knows: pass it on as it is
+                            end = len(data)
+                        data, tail = data[:end], data[end:]
+                        if following:
+                            assert cursor is not None
+                            kept = (cursor.follow(p) for p in payloads)
+                            data = b"".join(b"data: " + k + b"\n\n" for k in kept if k is not None)
+                        elif cursor is not None:
+                            for p in payloads:
+                                cursor.sent(p)
+                    if data:
+                        yield data
+                    data = await up.next(router)
+                if tail and not following:
+                    yield tail  # (the replica's own last bytes, as it ended them)
+                return
+            except (httpx.HTTPError, _Down) as e:
+                if isinstance(e, httpx.HTTPError):
+                    router.mark_down(up.name)
+                current = None
+                await up.close(router)
+                nxt = await take_up() if take_up is not None else None
+                if nxt is None:
+                    yield _error_event(f"replica failed mid-stream: {e}")
+                    return
+                log.warning("router: replica %s failed mid-stream; %s finishes the stream", up.name, nxt.name)
+                router.metrics.taken_up.labels(up.name).inc()
+                assert cursor is not None
+                cursor.restart()
+                up = current = nxt
+                following = True
+            except Diverged as e:
+                yield _error_event(f"replica failed mid-stream, and the replica that took the stream up "
+                                   f"answered otherwise: {e}")
+                return
     finally:
-        await resp.aclose()
-        router.done(name)
+        if current is not None:
+            await current.close(router)
+
+
+def _error_event(message: str) -> bytes:
+    return f"data: {json.dumps(APIError(503, message).body())}\n\ndata: [DONE]\n\n".encode()
 
 
 @dataclass

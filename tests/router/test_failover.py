@@ -91,6 +91,87 @@ def test_requests_on_a_replica_that_freezes_go_elsewhere(pair: tuple[RouterHandl
     assert front.router.replicas[frozen.url].load.in_flight == 0
 
 
+def stream_events(raw: bytes) -> list[str]:
+    return [ln[6:] for ln in raw.decode().split("\n") if ln.startswith("data: ")]
+
+
+def stream_text(events: list[str]) -> str:
+    ch = [json.loads(e)["choices"][0] for e in events if e != "[DONE]" and json.loads(e)["choices"]]
+    return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in ch)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {**COMPLETION, "max_tokens": 24}),
+                                       ("/v1/chat/completions", {**CHAT, "max_tokens": 24, "seed": 3,
+                                                                 "temperature": 0.9})],
+                         ids=["completions-greedy", "chat-seeded"])
+def test_a_stream_whose_replica_freezes_mid_way_is_finished_by_another(
+        pair: tuple[RouterHandle, list[ServerHandle]], path: str, body: dict[str, Any]) -> None:
+    """The client has part of the answer when its replica freezes: another replica answers the same request
+    (greedy, or seeded) with the same tokens, and the client gets the rest, under the first stream's id."""
+    front, (frozen, other) = pair
+    wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))
+    body = {**body, "stream": True, "ignore_eos": True}
+    taken_up = metric(front.url, "kvpool_router:streams_taken_up_total", replica=frozen.url)
+    gate = threading.Event()
+    llm = frozen.engine.engine
+    step, steps = llm.step, []
+
+    def step_then_freeze() -> Any:  # the prefill and two more tokens go out; the engine sticks at the 4th step
+        steps.append(1)
+        if len(steps) == 4:
+            gate.wait(30)
+        return step()
+
+    llm.step = step_then_freeze
+    front.router._rr = -1  # the frozen one first
+    try:
+        with httpx.stream("POST", f"{front.url}{path}", json=body, timeout=20) as r:
+            raw = b"".join(r.iter_raw())
+        assert r.status_code == 200 and r.headers["x-kvpool-replica"] == frozen.url  # the stream began there
+    finally:
+        gate.set()
+        del llm.step
+    events = stream_events(raw)
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), raw
+    assert len({json.loads(e)["id"] for e in events[:-1]}) == 1  # one stream to the client
+    direct = stream_events(httpx.post(f"{other.url}{path}", json=body, timeout=20).content)
+    assert stream_text(events) == stream_text(direct) and stream_text(direct)
+    if path.endswith("chat/completions"):
+        roles = [json.loads(e)["choices"][0]["delta"].get("role") for e in events[:-1]]
+        assert roles[0] == "assistant" and roles.count("assistant") == 1  # the role once, first
+    assert metric(front.url, "kvpool_router:streams_taken_up_total", replica=frozen.url) == taken_up + 1
+    wait_until(lambda: frozen.engine.num_pending == 0)  # it dropped the request when the router left it
+    wait_until(lambda: front.router.replicas[frozen.url].healthy)
+    assert front.router.replicas[frozen.url].load.in_flight == 0
+    assert front.router.replicas[other.url].load.in_flight == 0
+
+
+def test_a_sampled_stream_cut_mid_way_is_not_finished_elsewhere(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    """Without a seed another replica would sample other text: the client gets an error event, not a splice;
+    and a replacement whose text differs from what was sent (here a real replica after a fake one's
+    " Hello") ends the stream the same way."""
+    handle, server = start_replica(chat_llama_dir)
+    cut = FakeReplica("cutmid")
+    front = start_front([ReplicaSpec(cut.url), server], chat_tokenizer, policy="round-robin")
+    try:
+        for body, why in (({"prompt": "x", "stream": True, "max_tokens": 4}, "replica failed mid-stream: "),
+                          ({"prompt": "x", "stream": True, "max_tokens": 4, "temperature": 0},
+                           "answered otherwise: its text differs from the text already sent")):
+            front.router._rr = -1  # the cutting one first
+            with httpx.stream("POST", f"{front.url}/v1/completions", json=body, timeout=20) as r:
+                raw = b"".join(r.iter_raw())
+            events = stream_events(raw)
+            assert raw.startswith(CUT_EVENT) and events[-1] == "[DONE]" and len(events) == 3, raw
+            assert why in json.loads(events[1])["error"]["message"]
+            wait_until(lambda: front.router.replicas[cut.url].healthy)
+        assert metric(front.url, "kvpool_router:streams_taken_up_total", replica=cut.url) == 1
+        wait_until(lambda: front.router.replicas[server.url].load.in_flight == 0)
+    finally:
+        front.stop()
+        cut.stop()
+        handle.stop()
+
+
 def test_a_replica_answering_500_is_retried_and_routed_around(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
     good, _ = start_replica(chat_llama_dir, events=False)
     bad = FakeReplica("err500")

@@ -1,0 +1,119 @@
+"""Finishing a stream on another replica when the one serving it fails after the client has seen part of it.
+
+kvpool replicas give a request the same tokens whatever their caches hold (greedy decoding, or sampling
+under the request's own seed), so a stream cut mid-way can be taken up by another replica: the router sends
+it the same request, drops the text the client already has, and relays the rest under the first stream's
+`id` and `created`. Only the text is skipped, never events counted: two replicas may batch a request's
+tokens into events differently. The replacement's text must begin with what the client has; if it does
+not (a replica with other weights), the stream ends with an error event rather than a spliced answer.
+
+A request is taken up only where the answer is one stream of text that another replica reproduces: one
+choice, no prompt echo, and greedy or seeded.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class Diverged(Exception):
+    """The replacement's answer does not continue what the client has already been sent."""
+
+
+def resumable(body: dict[str, Any]) -> bool:
+    """Whether another replica would stream this request's answer with the same text."""
+    if body.get("n") not in (None, 1) or body.get("echo") or body.get("best_of") not in (None, 1):
+        return False
+    seed, temperature, top_k = body.get("seed"), body.get("temperature"), body.get("top_k")
+    greedy = (isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature == 0) or (
+        isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 1)
+    return greedy or (isinstance(seed, int) and not isinstance(seed, bool))
+
+
+def _choice(obj: Any) -> dict[str, Any] | None:
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0]
+    return None
+
+
+def _text(choice: dict[str, Any]) -> str:
+    """The text an event adds: a completion's `text`, a chat chunk's `delta.content`."""
+    if isinstance(choice.get("text"), str):
+        return choice["text"]
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+        return delta["content"]
+    return ""
+
+
+def _set_text(choice: dict[str, Any], text: str) -> None:
+    if isinstance(choice.get("text"), str):
+        choice["text"] = text
+    else:
+        choice["delta"]["content"] = text
+
+
+class StreamText:
+    """What one stream has sent the client (`sent`, per relayed event), and, once another replica takes
+    it up, which of the replacement's events to relay and how (`follow`)."""
+
+    def __init__(self) -> None:
+        self.text = ""  # the client's text so far
+        self.id: Any = None
+        self.created: Any = None
+        self._matched = 0  # how much of `text` the replacement has repeated
+
+    def sent(self, payload: bytes) -> None:
+        """An event the client was sent (its data payload)."""
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return  # [DONE], or a comment
+        if isinstance(obj, dict) and self.id is None:
+            self.id, self.created = obj.get("id"), obj.get("created")
+        choice = _choice(obj)
+        if choice is not None:
+            self.text += _text(choice)
+
+    def restart(self) -> None:
+        """Another replica takes the stream up from its beginning."""
+        self._matched = 0
+
+    def follow(self, payload: bytes) -> bytes | None:
+        """The replacement's event as the client is to get it (None: the client has it already)."""
+        if not payload:
+            return None  # a comment or keep-alive
+        try:
+            obj = json.loads(payload)
+        except ValueError:  # [DONE]
+            if self._matched < len(self.text):
+                raise Diverged("it ended before repeating the text already sent") from None
+            return payload
+        if not isinstance(obj, dict) or "error" in obj:
+            return payload  # the replacement's own error: the client's to see
+        choice = _choice(obj)
+        if choice is not None:
+            text, owed = _text(choice), len(self.text) - self._matched
+            if owed:
+                head = text[:owed]
+                if head != self.text[self._matched:self._matched + len(head)]:
+                    raise Diverged("its text differs from the text already sent")
+                self._matched += len(head)
+                text = text[len(head):]
+                if self._matched < len(self.text) and choice.get("finish_reason") is not None:
+                    raise Diverged("it finished before repeating the text already sent")
+                if not text and choice.get("finish_reason") is None:
+                    return None  # all of it already sent
+                _set_text(choice, text)
+            elif not text and choice.get("finish_reason") is None and "usage" not in obj:
+                return None  # a chat stream's role-only first chunk: the client has one
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                delta.pop("role", None)  # (sent once, in the first stream's first chunk)
+        elif self._matched < len(self.text):
+            raise Diverged("it ended before repeating the text already sent")
+        if self.id is not None:
+            obj["id"], obj["created"] = self.id, self.created
+        return json.dumps(obj, separators=(",", ":")).encode()

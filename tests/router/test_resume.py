@@ -1,0 +1,105 @@
+"""Which requests another replica may finish (`resumable`), and how a replacement stream's events are cut
+to follow what the client already has (`StreamText`): text matched across other event boundaries, the
+role-only chunk and the repeated text dropped, the first stream's id kept, and a replacement that does
+not repeat the text refused (`Diverged`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvpool.router.resume import Diverged, StreamText, resumable
+
+
+def completion(text: str | None, finish: str | None = None, id_: str = "cmpl-a", created: int = 1) -> bytes:
+    return json.dumps({"id": id_, "object": "text_completion", "created": created,
+                       "choices": [{"index": 0, "text": text, "finish_reason": finish}]}).encode()
+
+
+def chat(delta: dict[str, Any], finish: str | None = None, id_: str = "chatcmpl-a", created: int = 1) -> bytes:
+    return json.dumps({"id": id_, "object": "chat.completion.chunk", "created": created,
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}).encode()
+
+
+@pytest.mark.parametrize("body,ok", [
+    ({"temperature": 0}, True),
+    ({"temperature": 0.0, "n": 1}, True),
+    ({"top_k": 1, "temperature": 0.8}, True),
+    ({"seed": 7, "temperature": 0.8}, True),
+    ({}, False),  # sampled (temperature 1 by default) without a seed
+    ({"temperature": 0.7}, False),
+    ({"temperature": 0, "n": 2}, False),
+    ({"temperature": 0, "echo": True}, False),
+    ({"seed": True}, False),  # (a bool is not a seed)
+    ({"temperature": False}, False),
+    ({"temperature": "0"}, False),
+])
+def test_resumable(body: dict[str, Any], ok: bool) -> None:
+    assert resumable(body) is ok
+
+
+def test_completion_followed_across_other_event_boundaries() -> None:
+    st = StreamText()
+    for p in (completion(" Once"), completion(" upon a"), completion(" ti")):
+        st.sent(p)
+    assert st.text == " Once upon a ti"
+    st.restart()
+    replacement = [completion(" Once upon", id_="cmpl-b", created=9), completion(" a time", id_="cmpl-b", created=9),
+                   completion(" there", "length", id_="cmpl-b", created=9), b"[DONE]"]
+    out = [st.follow(p) for p in replacement]
+    assert out[0] is None  # all of it sent already
+    assert json.loads(out[1]) == json.loads(completion("me"))  # the rest of the word, under the first id
+    assert json.loads(out[2]) == json.loads(completion(" there", "length"))
+    assert out[3] == b"[DONE]"
+
+
+def test_chat_drops_the_role_chunk_and_keeps_the_usage() -> None:
+    st = StreamText()
+    for p in (chat({"role": "assistant", "content": ""}), chat({"content": "Hi"}), chat({"content": " there"})):
+        st.sent(p)
+    st.restart()
+    usage = json.dumps({"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 5, "choices": [],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}).encode()
+    out = [st.follow(p) for p in (chat({"role": "assistant", "content": ""}, id_="chatcmpl-b"),
+                                  chat({"content": "Hi there"}, id_="chatcmpl-b"),
+                                  chat({"content": "!"}, "stop", id_="chatcmpl-b"), usage, b"", b"[DONE]")]
+    assert out[:2] == [None, None]
+    assert json.loads(out[2]) == json.loads(chat({"content": "!"}, "stop"))
+    assert json.loads(out[3])["id"] == "chatcmpl-a" and json.loads(out[3])["usage"]["completion_tokens"] == 3
+    assert out[4:] == [None, b"[DONE]"]
+
+
+def test_a_replacement_finishing_on_what_was_sent_keeps_only_the_finish() -> None:
+    st = StreamText()
+    st.sent(completion(" a b"))
+    st.restart()
+    assert json.loads(st.follow(completion(" a b", "stop"))) == json.loads(completion("", "stop"))
+
+
+@pytest.mark.parametrize("replacement,why", [
+    ([completion(" Once upon a tide")], "differs"),
+    ([completion(" Once")], None),  # a prefix of what was sent: fine so far
+    ([completion(" Once", "stop")], "finished before"),
+    ([completion(" Once"), b"[DONE]"], "ended before"),
+    ([completion(" Once"), json.dumps({"id": "x", "choices": [], "usage": {}}).encode()], "ended before"),
+])
+def test_a_replacement_that_does_not_repeat_the_text_is_refused(replacement: list[bytes], why: str | None) -> None:
+    st = StreamText()
+    st.sent(completion(" Once upon a time"))
+    st.restart()
+    if why is None:
+        assert [st.follow(p) for p in replacement] == [None]
+        return
+    with pytest.raises(Diverged, match=why):
+        for p in replacement:
+            st.follow(p)
+
+
+def test_a_replacement_error_is_passed_on() -> None:
+    st = StreamText()
+    st.sent(completion(" Once"))
+    st.restart()
+    err = json.dumps({"error": {"message": "boom", "type": "x", "param": None, "code": 500}}).encode()
+    assert st.follow(err) == err
