@@ -100,6 +100,32 @@ def stream_text(events: list[str]) -> str:
     return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in ch)
 
 
+def stream_from_a_replica_that_freezes(front: RouterHandle, frozen: ServerHandle, path: str,
+                                       body: dict[str, Any]) -> bytes:
+    """The router's stream of `body`, begun on `frozen`, whose engine sticks at its 4th step (the prefill and
+    two more tokens have gone out) until the stream is over."""
+    gate = threading.Event()
+    llm = frozen.engine.engine
+    step, steps = llm.step, []
+
+    def step_then_freeze() -> Any:
+        steps.append(1)
+        if len(steps) == 4:
+            gate.wait(30)
+        return step()
+
+    llm.step = step_then_freeze
+    front.router._rr = -1  # round-robin's next pick: the frozen one
+    try:
+        with httpx.stream("POST", f"{front.url}{path}", json=body, timeout=20) as r:
+            raw = b"".join(r.iter_raw())
+        assert r.status_code == 200 and r.headers["x-kvpool-replica"] == frozen.url  # the stream began there
+        return raw
+    finally:
+        gate.set()
+        del llm.step
+
+
 @pytest.mark.parametrize("path,body", [("/v1/completions", {**COMPLETION, "max_tokens": 24}),
                                        ("/v1/chat/completions", {**CHAT, "max_tokens": 24, "seed": 3,
                                                                  "temperature": 0.9})],
@@ -112,27 +138,8 @@ def test_a_stream_whose_replica_freezes_mid_way_is_finished_by_another(
     wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))
     body = {**body, "stream": True, "ignore_eos": True}
     taken_up = metric(front.url, "kvpool_router:streams_taken_up_total", replica=frozen.url)
-    gate = threading.Event()
-    llm = frozen.engine.engine
-    step, steps = llm.step, []
-
-    def step_then_freeze() -> Any:  # the prefill and two more tokens go out; the engine sticks at the 4th step
-        steps.append(1)
-        if len(steps) == 4:
-            gate.wait(30)
-        return step()
-
-    llm.step = step_then_freeze
-    front.router._rr = -1  # the frozen one first
-    try:
-        with httpx.stream("POST", f"{front.url}{path}", json=body, timeout=20) as r:
-            raw = b"".join(r.iter_raw())
-        assert r.status_code == 200 and r.headers["x-kvpool-replica"] == frozen.url  # the stream began there
-    finally:
-        gate.set()
-        del llm.step
-    events = stream_events(raw)
-    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), raw
+    events = stream_events(stream_from_a_replica_that_freezes(front, frozen, path, body))
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), events
     assert len({json.loads(e)["id"] for e in events[:-1]}) == 1  # one stream to the client
     direct = stream_events(httpx.post(f"{other.url}{path}", json=body, timeout=20).content)
     assert stream_text(events) == stream_text(direct) and stream_text(direct)
@@ -144,6 +151,23 @@ def test_a_stream_whose_replica_freezes_mid_way_is_finished_by_another(
     wait_until(lambda: front.router.replicas[frozen.url].healthy)
     assert front.router.replicas[frozen.url].load.in_flight == 0
     assert front.router.replicas[other.url].load.in_flight == 0
+
+
+def test_a_sampled_stream_on_a_replica_that_freezes_ends_with_an_error(
+        pair: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    """No seed: no other replica would repeat the text, so the client gets an error event once the frozen
+    replica is marked down, not a stream that never ends."""
+    front, (frozen, _) = pair
+    wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))
+    body = {**CHAT, "temperature": 0.9, "max_tokens": 24, "ignore_eos": True, "stream": True}
+    t0 = time.monotonic()
+    events = stream_events(stream_from_a_replica_that_freezes(front, frozen, "/v1/chat/completions", body))
+    assert time.monotonic() - t0 < 8
+    assert events[-1] == "[DONE]" and stream_text(events[:-2])
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 503 and err["message"] == f"replica failed mid-stream: replica {frozen.url} was marked down"
+    wait_until(lambda: frozen.engine.num_pending == 0)
+    wait_until(lambda: front.router.replicas[frozen.url].healthy)
 
 
 def test_a_sampled_stream_cut_mid_way_is_not_finished_elsewhere(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
