@@ -565,8 +565,10 @@ class LLMEngine:
                 if self.store.num_held():
                     time.sleep(0.001)  # only requests waiting on the store: do not spin the CPU
             return []
+        started = time.perf_counter()
         sampled = self.runner.execute(self._steps(out), out.swap_plan)
         if self.store is not None:
+            self.store.step_computed(time.perf_counter() - started, out.scheduled)
             self.store.after_swaps(out.swap_plan)
         if self.stage_outputs is not None:
             self.stage_outputs.collect(out, self.runner.last_outputs)

@@ -8,6 +8,8 @@
   order, for the scheduler.
 - `after_swaps(plan)` after the step's copies ran: the host blocks they filled are written through to the
   store (gathered at once; written by the store worker).
+- `step_computed(seconds, scheduled)` after each forward: a step with a block or more of prompt tokens
+  tells what recomputing a block costs; a request is held for a read only while the store is faster.
 
 Every model the host tier serves is served here. One layer group on one host pool (full-attention models)
 keeps the original fast path: keys under the single-group fingerprint, one GET of the chain past the local
@@ -145,8 +147,8 @@ class EngineStore:
         candidates = plan.candidates()
         if not candidates:
             return False
-        if not self.tier.request_arrived_with(req.request_id, candidates,
-                                              lambda owned: plan.job(candidates, owned)):
+        if not self.tier.request_arrived_with(req.request_id, candidates, lambda owned: plan.job(candidates, owned),
+                                              recompute_blocks=plan.limit - plan.local_point):
             return False
         self._held[req.request_id] = req
         return True
@@ -165,6 +167,14 @@ class EngineStore:
             self.pages[t].scatter([b.block_id for b in blocks], data)
             self.kv.host.pools[t].free_blocks(blocks)  # type: ignore[union-attr]
         return sum(len(b) for b, _ in by_type.values())
+
+    def step_computed(self, seconds: float, scheduled: Sequence[Any]) -> None:
+        """A step's forward took `seconds` for the `scheduled` requests (`ScheduledRequest`s): a step with at
+        least a block of prompt tokens tells what recomputing a block costs, which a store read must beat
+        for a request to wait on it (`StoreTier.observe_compute`). Decode steps say little about it."""
+        prompt = sum(s.num_new_tokens for s in scheduled if s.start_pos < s.request.num_prompt_tokens)
+        if prompt >= self.block_size:
+            self.tier.observe_compute(seconds, sum(s.num_new_tokens for s in scheduled) / self.block_size)
 
     def pump(self) -> list[Any]:
         """Land completed reads in host blocks; the held requests that may be scheduled now, in order."""

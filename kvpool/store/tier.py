@@ -12,7 +12,9 @@ batched read, in the background. The request is held back until the read lands o
 (then it computes the blocks itself; a late read still lands for later requests). Two lessons from the
 peers shape this:
 - a read slower than recomputing must not be waited on (LMCache issue 914): `StoreStats.estimate_fetch_s`
-  versus the caller's estimate of the recompute time decides whether to read at all;
+  versus the recompute time the engine measures on its own prompt steps (`observe_compute`) decides
+  whether a request waits; if not, the read still goes out behind it (one at a time, as for a slow store),
+  so its blocks land for later requests and the estimate follows the store when it speeds up;
 - no request may wait behind another's load (vLLM issue 44294: a shared in-flight load serialised
   concurrent requests, 12x TTFT): a hash already being read is not read twice, but every request keeps its
   own deadline, so sharing a read never makes anyone wait longer than its own budget;
@@ -59,13 +61,15 @@ class _Waiter:
 
 class StoreTier:
     SLOW_AFTER = 3  # requests in a row whose deadline passed before their read landed
+    COMPUTE_EWMA = 0.2  # weight of the latest step in the recompute-cost average
 
     def __init__(self, worker: StoreWorker, *, deadline_s: float = 2.0, block_bytes: int = 0,
                  recompute_s_per_block: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
         self.deadline_s = deadline_s
         self.block_bytes = block_bytes
-        # Seconds to recompute one block, if known: reads expected to take longer are not issued.
+        # Seconds to recompute one block, if known (the engine times its prompt steps: `observe_compute`):
+        # a request does not wait on a read expected to take longer; the read goes out behind it.
         self.recompute_s_per_block = recompute_s_per_block
         self.clock = clock
         self._fetches: list[_Fetch] = []
@@ -112,16 +116,28 @@ class StoreTier:
         want = list(hashes)
         if not want or not self.worker.store.available:
             return False  # nothing to read, or the store is known down: no request waits on it
-        if self.slow:
+        if self.slow or self._slower_than_recompute(len(want), len(want)):
             self._read_behind(want, self.worker.fetch, chain=True)
             return False
-        if self.recompute_s_per_block is not None and self.block_bytes:
-            est = self.stats.estimate_fetch_s(len(want) * self.block_bytes)
-            if est is not None and est > self.recompute_s_per_block * len(want):
-                self.reads_skipped_slow += 1
-                return False
         self._read(want, self.worker.fetch, chain=True)
         return self._wait(request_id, want)
+
+    def _slower_than_recompute(self, num_keys: int, num_blocks: int) -> bool:
+        """Would reading `num_keys` values take longer than computing the `num_blocks` token blocks they
+        hold (LMCache issue 914)? Unknown (no read yet, or no step timed yet) is no."""
+        if self.recompute_s_per_block is None or not self.block_bytes:
+            return False
+        est = self.stats.estimate_fetch_s(num_keys * self.block_bytes)
+        return est is not None and est > self.recompute_s_per_block * num_blocks
+
+    def observe_compute(self, seconds: float, num_blocks: float) -> None:
+        """A forward computed `num_blocks` blocks' worth of prompt tokens in `seconds`: the recompute cost a
+        read must beat to be waited on (a moving average, so one slow step does not decide it)."""
+        if num_blocks <= 0 or seconds <= 0:
+            return
+        per_block = seconds / num_blocks
+        old = self.recompute_s_per_block
+        self.recompute_s_per_block = per_block if old is None else old + self.COMPUTE_EWMA * (per_block - old)
 
     def _wait(self, request_id: str, keys: list[bytes]) -> bool:
         """The request waits for `keys` to land, or for its deadline."""
@@ -144,11 +160,13 @@ class StoreTier:
             self._read(want, start, chain)
 
     def request_arrived_with(self, request_id: str, keys: Sequence[bytes],
-                             make_job: Callable[[list[bytes]], Callable[[Any], list[Any]]]) -> bool:
+                             make_job: Callable[[list[bytes]], Callable[[Any], list[Any]]],
+                             recompute_blocks: int | None = None) -> bool:
         """Like `request_arrived`, for a read that decides on the worker thread what to read: `keys` are
         every key the request may need; `make_job(owned)` gives the job reading the ones not already being
         read by an earlier request (`owned`), which returns per owned key a payload for `land_with`'s sink
-        or None. The request waits for all of `keys` (its own job and the earlier ones), or its deadline."""
+        or None. The request waits for all of `keys` (its own job and the earlier ones), or its deadline.
+        `recompute_blocks`: the token blocks the keys would spare computing (default: one per key)."""
         want = list(keys)
         if not want or not self.worker.store.available:
             return False
@@ -156,7 +174,7 @@ class StoreTier:
         def start(owned: list[bytes]) -> Future[list[Any]]:
             return self.worker.submit(make_job(owned), [None] * len(owned))
 
-        if self.slow:
+        if self.slow or self._slower_than_recompute(len(want), recompute_blocks or len(want)):
             self._read_behind(want, start, chain=False)
             return False
         self._read(want, start, chain=False)

@@ -149,6 +149,36 @@ def test_frozen_store_costs_a_deadline_not_a_failure(tiny_llama_dir: Path, redis
     llm.engine.store.close()
 
 
+def test_a_store_slower_than_recomputing_holds_no_request(tiny_llama_dir: Path, tmp_path: Path,
+                                                           expected: list[list[int]]) -> None:
+    """The engine times its prompt steps; once the store's reads are measured slower than computing the
+    blocks (LMCache issue 914: a remote Redis slower than recomputing), an arriving request is not held: it
+    computes at once, with the same tokens, and its blocks are read behind it for later requests."""
+    url = f"file://{tmp_path}"
+    first = make(tiny_llama_dir, url)
+    run(first, prompts())
+    first.engine.store.close()
+    second = make(tiny_llama_dir, url)
+    eng, tier = second.engine, second.engine.store.tier
+    assert tier.recompute_s_per_block is None
+    run(second, prompts(seed=9, n=1))  # a prompt of its own: what computing a block costs here
+    per_block = tier.recompute_s_per_block
+    assert per_block is not None and 0 < per_block < 1
+    run(second, [prompts(seed=9, n=1)[0][:58]])  # a prefix hit of 56 tokens: 2 prompt tokens computed, then decode
+    assert tier.recompute_s_per_block == per_block  # steps without a block of prompt say nothing of it
+    tier.stats.add(read_calls=1, read_seconds=1e3, bytes_read=1)  # reads measured at minutes each
+    calls = tier.stats.read_calls
+    req = eng.add_request(prompts()[0], SamplingParams.greedy(N_NEW))
+    assert not eng.store.is_held(req.request_id) and tier.reads_skipped_slow == 1 and tier.requests_waited == 1
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.outputs[0].token_ids for o in outs] == expected[:1]
+    assert tier.stats.read_calls == calls + 1  # read behind it all the same
+    eng.kv.check_integrity()
+    eng.store.close()
+
+
 def test_writes_queued_at_exit_reach_the_store(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """A replica that exits without closing its engine still writes what it had queued (for a few
     seconds at most): restarted right after, it gets those blocks back."""

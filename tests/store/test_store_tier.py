@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvpool.core.host_pool import HostBlockPool
@@ -121,14 +122,35 @@ def test_dead_store_never_holds_a_request(redis_server: RedisServer) -> None:
     t.close()
 
 
-def test_store_slower_than_recompute_is_not_read(tmp_path: Path) -> None:
+def test_store_slower_than_recompute_is_not_waited_on(tmp_path: Path) -> None:
+    """A read expected to take longer than computing the blocks holds no request (LMCache issue 914); it
+    still goes out behind the request, so the blocks land for later ones."""
     url = f"file://{tmp_path}"
-    write_replica(url, H[:2])
+    write_replica(url, H[:4])
     cs = caches(4, fill=False)
+    pool = HostBlockPool(4)
     t = tier(url, block_bytes=block_nbytes(cs), recompute_s_per_block=1e-9)
-    t.request_arrived("warm", H[:2])  # the first read measures the store
-    land_all(t, HostBlockPool(4), cs)
-    assert not t.request_arrived("r", H[:2]) and t.reads_skipped_slow == 1
+    assert t.request_arrived("warm", H[:2])  # the first read measures the store: nothing known, it waits
+    assert land_all(t, pool, cs) == 2
+    assert not t.request_arrived("r", H[2:4]) and t.reads_skipped_slow == 1
+    assert t.ready("r") and t.requests_waited == 1
+    assert land_all(t, pool, cs) == 2  # read behind it: landed for the next request
+    assert set(pool.cached) == set(H[:4])
+    t.recompute_s_per_block = 1e3  # computing is slower than any read: requests wait again
+    assert t.request_arrived("r2", H[4:6]) and t.requests_waited == 2
+    t.close()
+
+
+def test_recompute_cost_is_a_moving_average_of_prompt_steps(tmp_path: Path) -> None:
+    t = tier(f"file://{tmp_path}")
+    assert t.recompute_s_per_block is None
+    t.observe_compute(0.4, 4)
+    assert t.recompute_s_per_block == pytest.approx(0.1)
+    t.observe_compute(0.2, 1)  # one slow step moves it by COMPUTE_EWMA of the difference
+    assert t.recompute_s_per_block == pytest.approx(0.1 + StoreTier.COMPUTE_EWMA * 0.1)
+    t.observe_compute(0.0, 4)
+    t.observe_compute(1.0, 0)
+    assert t.recompute_s_per_block == pytest.approx(0.12)
     t.close()
 
 
