@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -52,7 +53,7 @@ from kvpool.router.resume import Diverged, StreamText, resumable
 from kvpool.router.subscriber import EventSubscriber
 from kvpool.server.errors import APIError, add_error_handlers, read_raw, until_disconnected
 from kvpool.server.json_body import BodyError, parse_json_object
-from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpool.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,6 +101,32 @@ class Replica:
     @property
     def name(self) -> str:
         return self.spec.url
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What a request is routed by: `hashes`, the block hashes a replica gives its prompt (matched against
+    the replicas' KV events), and for a chat with images `sticky`: its text's hashes salted with a digest of
+    its images, matched against and remembered in what the router sent each replica. A replica hashes an
+    image by its processed pixels, which the router (with a tokenizer, not the model's image processor)
+    cannot reproduce; by these a conversation's later turns, which carry the same images, still find the
+    replica that cached its earlier ones, and a conversation with the same words and another image does not."""
+
+    hashes: list[bytes]
+    sticky: list[bytes] | None = None
+
+
+def image_digest(messages: list[ChatMessage]) -> str | None:
+    """A digest of a chat's images in order (their URLs: a data URL holds the bytes), None without one."""
+    h = xxhash.xxh3_128()
+    n = 0
+    for m in messages:
+        for part in m.content if isinstance(m.content, list) else ():
+            if part.image_url is not None:
+                url = part.image_url.url.encode()
+                h.update(len(url).to_bytes(8, "little") + url)
+                n += 1
+    return h.hexdigest() if n else None
 
 
 class RouterMetrics:
@@ -351,9 +378,11 @@ class Router:
         return list(CacheRequest("route", tokens, hasher=self.hasher, cache_salt=cache_salt,
                                  lora_id=model if lora is not None else None, lora_content=lora).block_hashes)
 
-    def pick(self, hashes: list[bytes], exclude: set[str]) -> tuple[str, int] | None:
+    def pick(self, key: RouteKey | list[bytes], exclude: set[str]) -> tuple[str, int] | None:
         """The replica for a request with these block hashes (and its matched blocks), counting it in
         flight there; None when no healthy replica is left."""
+        key = key if isinstance(key, RouteKey) else RouteKey(key)
+        hashes = key.hashes
         now = time.monotonic()
         with self._lock:
             cands = [n for n, r in self.replicas.items() if r.healthy and n not in exclude]
@@ -372,7 +401,8 @@ class Router:
                 matched_all = self.index.match(hashes, cands) if hashes else {}
                 for n in cands:
                     rep = self.replicas[n]
-                    approx = self._approx(rep).match(hashes, n, now)
+                    approx = (self.routed.match(key.sticky, n, now) if key.sticky is not None
+                              else self._approx(rep).match(hashes, n, now))
                     got = matched_all.get(n, (0, 0.0))
                     if approx > got[0]:  # routed there recently: its events have not arrived yet
                         matched_all[n] = (approx, got[1] + (approx - got[0]))
@@ -383,7 +413,10 @@ class Router:
             rep.load.in_flight += 1
             rep.load.recent += 1
             rep.routed += 1
-        self._approx(rep).record(name, hashes, now)
+        if key.sticky is not None:
+            self.routed.record(name, key.sticky, now)
+        else:
+            self._approx(rep).record(name, hashes, now)
         m = self.metrics
         m.decisions.labels(name, reason).inc()
         m.in_flight.labels(name).set(rep.load.in_flight)
@@ -407,35 +440,45 @@ class Router:
 
     # -- tokenization -------------------------------------------------------------------------------
 
-    def tokens_of(self, path: str, body: dict[str, Any]) -> tuple[list[int] | None, str | None]:
+    def route_key(self, path: str, body: dict[str, Any]) -> RouteKey:
+        """What the request is routed by (tokenized as a replica would, hashed as a replica hashes)."""
         with self._tok_lock:
-            return self._tokens_of(path, body)
+            tokens, salt, images = self._tokens_of(path, body)
+        try:
+            hashes = self.block_hashes(tokens, salt, body.get("model"))
+        except ValueError:  # token ids no tokenizer makes (a replica answers with the 400 that says why)
+            return RouteKey([])
+        if images is None:
+            return RouteKey(hashes)
+        return RouteKey(hashes, self.block_hashes(tokens, f"{salt or ''}|images:{images}", body.get("model")))
 
-    def _tokens_of(self, path: str, body: dict[str, Any]) -> tuple[list[int] | None, str | None]:
-        """The prompt's token ids as a replica would compute them, and the cache salt; (None, None) when
+    def _tokens_of(self, path: str, body: dict[str, Any]) -> tuple[list[int] | None, str | None, str | None]:
+        """The prompt's token ids as a replica would compute them (a chat's images left out), the cache
+        salt, and a digest of the chat's images in order (None without images); (None, None, None) when
         the router cannot tell (no tokenizer for a text prompt, or a body the replica will reject)."""
         try:
             if path.endswith("/chat/completions"):
                 req = ChatCompletionRequest.model_validate(body)
+                images = image_digest(req.messages)
                 if self.tokenizer is None:
-                    return None, req.cache_salt
+                    return None, req.cache_salt, images
                 ids = self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True,
                                                          tokenize=True)
                 if not isinstance(ids, list):
                     ids = ids["input_ids"]
-                return list(ids), req.cache_salt
+                return list(ids), req.cache_salt, images
             creq = CompletionRequest.model_validate(body)
             prompt = creq.single_prompt()
             if isinstance(prompt, str):
                 if self.tokenizer is None:
-                    return None, creq.cache_salt
-                return list(self.tokenizer.encode(prompt)), creq.cache_salt
-            return list(prompt), creq.cache_salt
+                    return None, creq.cache_salt, None
+                return list(self.tokenizer.encode(prompt)), creq.cache_salt, None
+            return list(prompt), creq.cache_salt, None
         except (ValidationError, ValueError, TypeError, KeyError):
-            return None, None
+            return None, None, None
         except Exception as e:  # a template that refuses the conversation: the replica will say why
             log.debug("router: could not tokenize (%s)", e)
-            return None, None
+            return None, None, None
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -527,11 +570,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             body = parse_json_object(raw, request.headers.get("content-type"))
         except BodyError as e:
             return _error(400, str(e))
-        tokens, salt = await asyncio.to_thread(router.tokens_of, path, body)
-        try:
-            hashes = router.block_hashes(tokens, salt, body.get("model"))
-        except ValueError:  # token ids no tokenizer makes (a replica answers with the 400 that says why)
-            hashes = []
+        key = await asyncio.to_thread(router.route_key, path, body)
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         last_error: tuple[int, bytes, str | None] | None = None  # the last retried answer, for the client
@@ -543,7 +582,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             carries something has come, or None when no replica (of `max_attempts`) could take it."""
             nonlocal last_error, left
             while len(tried) < max_attempts:
-                picked = router.pick(hashes, tried)
+                picked = router.pick(key, tried)
                 if picked is None:
                     return None
                 if left is not None:  # (a retry is counted when another replica takes the request, not before)

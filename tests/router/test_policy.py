@@ -3,11 +3,13 @@ prefix/load trade-off (a hot prefix spreads; a long cached prefix wins over a sm
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest
-from kvpool.router.app import ReplicaSpec, Router, _read_metrics
+from kvpool.router.app import ReplicaSpec, RouteKey, Router, _read_metrics
 from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 
@@ -93,8 +95,39 @@ def test_router_hashes_like_the_replicas_including_the_salt() -> None:
     salted = r.block_hashes(toks, "tenant-a")
     assert salted == CacheRequest("x", toks, hasher=BlockHasher(4), cache_salt="tenant-a").block_hashes
     assert salted[0] != plain[0]
-    assert r.tokens_of("/v1/completions", {"prompt": toks, "cache_salt": "s"}) == (toks, "s")
-    assert r.tokens_of("/v1/completions", {"prompt": "text"}) == (None, None)  # no tokenizer: route by load
+    assert r.route_key("/v1/completions", {"prompt": toks, "cache_salt": "s"}) == RouteKey(r.block_hashes(toks, "s"))
+    assert r.route_key("/v1/completions", {"prompt": "text"}) == RouteKey([])  # no tokenizer: route by load
+
+
+def image_chat(*urls: str, text: str = "What is this?") -> dict[str, Any]:
+    parts = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in urls)]
+    return {"messages": [{"role": "user", "content": parts}]}
+
+
+def test_a_chat_with_images_is_also_keyed_by_them(chat_tokenizer: Any) -> None:
+    """The router cannot hash images as replicas do (by processed pixels): a chat with images gets `sticky`
+    hashes, its text's salted with a digest of its images in order, which its later turns repeat and which
+    a chat with the same words and other images does not share."""
+    r = Router([ReplicaSpec("http://a:1"), ReplicaSpec("http://b:1")], tokenizer=chat_tokenizer, block_size=4)
+    path = "/v1/chat/completions"
+    text = r.route_key(path, {"messages": [{"role": "user", "content": "What is this?"}]})
+    one = r.route_key(path, image_chat("data:image/png;base64,AAAA"))
+    assert text.sticky is None and one.hashes == text.hashes  # (the text as the replica's until the image)
+    assert one.sticky is not None and len(one.sticky) == len(one.hashes) and one.sticky[0] != one.hashes[0]
+    assert r.route_key(path, image_chat("data:image/png;base64,AAAA")) == one
+    assert r.route_key(path, image_chat("data:image/png;base64,AAAB")).sticky != one.sticky
+    two = r.route_key(path, image_chat("data:image/png;base64,AAAA", "data:image/png;base64,AAAB"))
+    assert two.sticky != one.sticky != r.route_key(path, image_chat("data:image/png;base64,AAAB",
+                                                                     "data:image/png;base64,AAAA")).sticky
+    # Routed by them: a later request with the same images goes where the first went, past the text.
+    first = r.pick(one, set())
+    assert first is not None
+    r.done(first[0])
+    again = r.pick(one, set())
+    assert again == (first[0], len(one.sticky))
+    r.done(first[0])
+    assert r.routed.match(one.sticky, first[0]) == len(one.sticky)
+    assert r.pending.match(one.hashes, first[0]) == 0  # the text-only hashes are not remembered for it
 
 
 def test_router_marks_a_replica_down_after_a_run_of_missed_health_checks() -> None:
