@@ -513,7 +513,12 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: int = 3,
                request_timeout_s: float | None = None) -> FastAPI:
-    app = FastAPI(title="kvpool router", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await app.state.client.aclose()  # the connections to the replicas, closed with the server (lifespan on)
+
+    app = FastAPI(title="kvpool router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     add_error_handlers(app)  # unknown routes, wrong methods and anything unexpected: OpenAI error bodies
     # No read timeout by default: a non-streaming answer arrives whole when it is done, which for a long
     # generation on a slow machine can take many minutes; timing it out would mark a healthy replica down
@@ -867,7 +872,7 @@ def start_router(router: Router, *, host: str = "127.0.0.1", port: int = 0, **kw
 
     router.start()
     app = create_app(router, **kw)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="kvpool-router-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -906,6 +911,6 @@ def run(args: argparse.Namespace) -> None:
     log.info("routing to %d replicas on http://%s:%d", len(specs), args.host, args.port)
     try:
         uvicorn.run(create_app(router, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
-                    log_level="info", lifespan="off")
+                    log_level="info", lifespan="on")
     finally:
         router.stop()

@@ -185,6 +185,21 @@ def test_round_robin_policy_alternates(chat_llama_dir: Path, chat_tokenizer: Any
     assert Counter(p[0] for p in picks if p) == Counter({specs[0].url: 2, specs[1].url: 2})
 
 
+def test_the_router_closes_its_connections_to_the_replicas_when_it_stops(chat_llama_dir: Path,
+                                                                          chat_tokenizer: Any) -> None:
+    h, spec = start_replica(chat_llama_dir, events=False)
+    front = start_front([spec], chat_tokenizer)
+    try:
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        client = front._server.config.app.state.client
+        assert not client.is_closed
+    finally:
+        front.stop()
+        h.stop()
+    assert client.is_closed
+
+
 def test_kvpool_router_command(chat_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI as a separate process in front of a replica; and a bad --replica is a clear error."""
     import subprocess
