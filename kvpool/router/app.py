@@ -51,7 +51,7 @@ from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.resume import Diverged, StreamText, resumable
 from kvpool.router.subscriber import EventSubscriber
-from kvpool.server.errors import APIError, add_error_handlers, read_raw, until_disconnected
+from kvpool.server.errors import APIError, add_error_handlers, check_api_key, read_raw, until_disconnected
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -512,7 +512,7 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: int = 3,
-               request_timeout_s: float | None = None) -> FastAPI:
+               request_timeout_s: float | None = None, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -520,6 +520,17 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
 
     app = FastAPI(title="kvpool router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     add_error_handlers(app)  # unknown routes, wrong methods and anything unexpected: OpenAI error bodies
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        # The API and the router's own state (its replicas' addresses and loads) need the key, checked before
+        # anything is read or tokenized; /health and /metrics stay open to probes and scrapers.
+        if api_key is not None and request.url.path.startswith(("/v1/", "/router/")):
+            try:
+                check_api_key(request, api_key)
+            except APIError as e:
+                return e.response()
+        return await call_next(request)
     # No read timeout by default: a non-streaming answer arrives whole when it is done, which for a long
     # generation on a slow machine can take many minutes; timing it out would mark a healthy replica down
     # and run the request again elsewhere. A dead replica drops the connection (or fails its health
@@ -910,7 +921,8 @@ def run(args: argparse.Namespace) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not two lines per replica per health check
     log.info("routing to %d replicas on http://%s:%d", len(specs), args.host, args.port)
     try:
-        uvicorn.run(create_app(router, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
+        uvicorn.run(create_app(router, max_body_bytes=args.max_body_bytes, api_key=args.api_key), host=args.host,
+                    port=args.port,
                     log_level="info", lifespan="on")
     finally:
         router.stop()

@@ -18,3 +18,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=float, default=1.0,
                    help="beta: how much relative load outweighs cache affinity (0: cache only)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and /router routes (checked here, then "
+                        "forwarded to the replicas with the request)")

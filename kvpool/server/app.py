@@ -10,7 +10,6 @@ and field errors all get the same shape and status 400/413.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 import time
@@ -33,6 +32,7 @@ from kvpool.server.errors import (
     APIError,
     ClientDisconnected,
     add_error_handlers,
+    check_api_key,
     read_raw,
     until_disconnected,
 )
@@ -80,16 +80,6 @@ def _validation_error(e: ValidationError) -> APIError:
     field, msgs = next(iter(by_field.items()))
     # Several messages for one field: it is a union, and the value matched none of its forms.
     return APIError(400, f"{field}: {' / '.join(msgs[:4])}", field)
-
-
-def check_api_key(request: Request, api_key: str | None) -> None:
-    """401 unless the request carries 'Authorization: Bearer <api_key>' (no key configured: anyone)."""
-    if api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
 
 
 def usage_json(out: RequestOutput) -> dict[str, Any]:

@@ -7,6 +7,7 @@ while watching whether the client is still there.
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -68,6 +69,16 @@ async def read_raw(request: Request, max_bytes: int) -> bytes:
 
 
 T = TypeVar("T")
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """401 unless the request carries 'Authorization: Bearer <api_key>' (no key configured: anyone)."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
 
 
 async def until_disconnected(work: Awaitable[T], request: Request, poll_s: float = 0.25,

@@ -28,7 +28,7 @@ from replicas import free_port, start_front, start_replica, wait_until
 from server_helpers import leave_early, make_engine, metric
 
 from kvpool.router import admin
-from kvpool.router.app import ReplicaSpec, Router, RouterHandle
+from kvpool.router.app import ReplicaSpec, Router, RouterHandle, start_router
 from kvpool.server.serve import ServerHandle, start_server
 
 SYSTEM = "You are a careful assistant. " * 12  # > 3 blocks of 16 tokens
@@ -45,9 +45,10 @@ def cluster(chat_llama_dir: Path, chat_tokenizer: Any) -> Iterator[tuple[RouterH
         h.stop()
 
 
-def chat(url: str, messages: list[dict[str, str]], **kw: Any) -> httpx.Response:
+def chat(url: str, messages: list[dict[str, str]], headers: dict[str, str] | None = None, **kw: Any
+         ) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
-                                                           **kw}, timeout=60)
+                                                           **kw}, headers=headers, timeout=60)
 
 
 def wait_indexed(front: RouterHandle, replica: str, at_least: int, timeout: float = 5.0) -> None:
@@ -200,6 +201,31 @@ def test_the_router_closes_its_connections_to_the_replicas_when_it_stops(chat_ll
     assert client.is_closed
 
 
+def test_the_router_api_key(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    """--api-key: the API and /router/state need the key (an OpenAI 401 before anything reaches a replica);
+    /health and /metrics stay open to probes and scrapers."""
+    h, spec = start_replica(chat_llama_dir, events=False)
+    front = start_router(Router([spec], tokenizer=chat_tokenizer, block_size=16), api_key="sesame")
+    try:
+        body = {"prompt": "hi", "max_tokens": 1}
+        for path, method in (("/v1/completions", "POST"), ("/v1/models", "GET"), ("/router/state", "GET")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+                r = httpx.request(method, f"{front.url}{path}", json=body if method == "POST" else None,
+                                  headers=headers, timeout=60)
+                assert r.status_code == 401, (path, headers, r.text)
+                assert r.json()["error"]["message"] == ("Incorrect API key provided; send it as "
+                                                        "'Authorization: Bearer KEY'")
+        assert front.router.replicas[spec.url].routed == 0  # nothing was routed
+        ok = {"Authorization": "Bearer sesame"}
+        assert httpx.post(f"{front.url}/v1/completions", json=body, headers=ok, timeout=60).status_code == 200
+        assert httpx.get(f"{front.url}/router/state", headers=ok).json()[spec.url]["routed"] == 1
+        assert httpx.get(f"{front.url}/health").status_code == 200
+        assert httpx.get(f"{front.url}/metrics").status_code == 200
+    finally:
+        front.stop()
+        h.stop()
+
+
 def test_kvpool_router_command(chat_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI as a separate process in front of a replica; and a bad --replica is a clear error."""
     import subprocess
@@ -214,7 +240,8 @@ def test_kvpool_router_command(chat_llama_dir: Path, capsys: pytest.CaptureFixtu
     h, spec = start_replica(chat_llama_dir)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "router", "--port", str(port), "--model",
-                             str(chat_llama_dir), "--replica", f"{spec.url},events={spec.events},replay={spec.replay}"],
+                             str(chat_llama_dir), "--replica", f"{spec.url},events={spec.events},replay={spec.replay}",
+                             "--api-key", "k"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -228,9 +255,11 @@ def test_kvpool_router_command(chat_llama_dir: Path, capsys: pytest.CaptureFixtu
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        r = chat(url, [{"role": "user", "content": "hello " * 40}])
+        assert chat(url, [{"role": "user", "content": "hi"}]).status_code == 401  # --api-key k
+        key = {"headers": {"Authorization": "Bearer k"}}
+        r = chat(url, [{"role": "user", "content": "hello " * 40}], **key)
         assert r.status_code == 200 and r.headers["x-kvpool-replica"] == h.url
-        r = chat(url, [{"role": "user", "content": "hello " * 40}])
+        r = chat(url, [{"role": "user", "content": "hello " * 40}], **key)
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
         assert metric(url, "kvpool_router:matched_blocks_total") >= 1  # the CLI's tokenizer hashes as the replica
     finally:
