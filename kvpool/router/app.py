@@ -132,7 +132,8 @@ def image_digest(messages: list[ChatMessage]) -> str | None:
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.decisions = Counter("kvpool_router:routing_decisions", "Requests routed, by replica and reason.",
+        self.decisions = Counter("kvpool_router:routing_decisions",
+                                 "Routing decisions, by replica and reason (a retried request is routed again).",
                                  ["replica", "reason"], registry=r)
         self.prompt_blocks = Counter("kvpool_router:prompt_blocks", "Full prompt blocks of routed requests.",
                                      registry=r)
