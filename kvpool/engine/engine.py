@@ -565,10 +565,17 @@ class LLMEngine:
                 if self.store.num_held():
                     time.sleep(0.001)  # only requests waiting on the store: do not spin the CPU
             return []
-        started = time.perf_counter()
-        sampled = self.runner.execute(self._steps(out), out.swap_plan)
+        steps = self._steps(out)
+        timed = self.store is not None and self.store.times(out.scheduled)
+        if timed:  # (on a GPU, the previous step's kernels must not be counted in this one)
+            self.runner.synchronize()
+            started, swaps = time.perf_counter(), self.runner.swap_seconds
+        sampled = self.runner.execute(steps, out.swap_plan)
         if self.store is not None:
-            self.store.step_computed(time.perf_counter() - started, out.scheduled)
+            if timed:
+                self.runner.synchronize()
+                compute = time.perf_counter() - started - (self.runner.swap_seconds - swaps)
+                self.store.step_computed(compute, out.scheduled)
             self.store.after_swaps(out.swap_plan)
         if self.stage_outputs is not None:
             self.stage_outputs.collect(out, self.runner.last_outputs)

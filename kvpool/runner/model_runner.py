@@ -470,6 +470,12 @@ class ModelRunner:
         # Measured so the case for overlapping copies with compute (a copy thread) rests on numbers.
         self.swap_seconds += time.perf_counter() - t0
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (a GPU runs kernels after `execute` returns); a no-op on
+        the CPU. For timing a step."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
     def _copy_pages(self, copies: list[tuple[int, int, int]], to_host: bool) -> None:
         """Two-level pools: copy (page type, src, dst) pages between the device's byte buffers and the
         host pages of that type (a page of type t is the t-th smallest page size, in every buffer)."""

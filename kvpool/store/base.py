@@ -143,8 +143,14 @@ class StoreStats:
     latency_total_s: float = 0.0
     latency_max_s: float = 0.0
     read_calls: int = 0
-    read_seconds: float = 0.0  # time inside successful reads (for the fetch-or-recompute estimate)
+    read_seconds: float = 0.0  # time inside successful reads
+    # Moving averages over the reads that found something (for the fetch-or-recompute estimate): a read of
+    # misses moves few bytes in one round trip and says little of what reading blocks costs.
+    _fetch_s: float | None = field(default=None, repr=False, compare=False)
+    _fetch_bytes: float = field(default=0.0, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    FETCH_EWMA = 0.3  # weight of the latest read (one slow read is forgotten within ~a dozen)
 
     def add(self, **kw: float) -> None:
         with self._lock:
@@ -157,18 +163,28 @@ class StoreStats:
             self.latency_total_s += seconds
             self.latency_max_s = max(self.latency_max_s, seconds)
 
-    def estimate_fetch_s(self, nbytes: int) -> float | None:
-        """Expected seconds to read `nbytes` in one call, from the reads so far (None before any). An engine
-        compares it with the time to recompute the blocks and fetches only when the store is faster: a
-        store slower than recomputing must not be waited on (LMCache issue 914: a second instance reading
-        from Redis took 20 s where recomputing took 8)."""
+    def fetched(self, seconds: float, nbytes: int) -> None:
+        """A read that found `nbytes` of values took `seconds`."""
+        if nbytes <= 0:
+            return
         with self._lock:
-            if not self.read_calls or not self.bytes_read:
+            if self._fetch_s is None:
+                self._fetch_s, self._fetch_bytes = seconds, float(nbytes)
+            else:
+                self._fetch_s += self.FETCH_EWMA * (seconds - self._fetch_s)
+                self._fetch_bytes += self.FETCH_EWMA * (nbytes - self._fetch_bytes)
+
+    def estimate_fetch_s(self, nbytes: int, round_trips: int = 1) -> float | None:
+        """Expected seconds to read `nbytes` of values in `round_trips` calls, from recent reads that found
+        something (None before any). An engine compares it with the time to recompute the blocks and waits
+        only when the store is faster: a store slower than recomputing must not be waited on (LMCache issue
+        914: a second instance reading from Redis took 20 s where recomputing took 8)."""
+        with self._lock:
+            if self._fetch_s is None:
                 return None
-            per_call = self.read_seconds / self.read_calls
-            mean_bytes = self.bytes_read / self.read_calls
+            per_call, mean_bytes = self._fetch_s, self._fetch_bytes
         # A read costs at least one mean round trip; beyond a mean-sized read, time grows with the bytes.
-        return per_call * max(1.0, nbytes / mean_bytes)
+        return per_call * (max(1.0, nbytes / mean_bytes) + round_trips - 1)
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -280,8 +296,9 @@ class BlockStore:
             return []
         t0 = time.perf_counter()
         values = self._call("get", self.store.get_many, [self.fp.key(h) for h in hashes])
+        took = time.perf_counter() - t0
         if values is not _FAILED:
-            self.stats.add(read_calls=1, read_seconds=time.perf_counter() - t0)
+            self.stats.add(read_calls=1, read_seconds=took)
         if values is _FAILED:
             self.stats.add(lookups=len(hashes), misses=len(hashes))
             return [None] * len(hashes)
@@ -297,6 +314,7 @@ class BlockStore:
             out.append(p)
         self.stats.add(lookups=len(hashes), hits=hits, misses=len(hashes) - hits, corrupt=corrupt,
                        bytes_read=nbytes)
+        self.stats.fetched(took, nbytes)
         if corrupt:
             log.warning("KV store %s: %d value(s) failed verification; treated as misses", self.store.url, corrupt)
         return out

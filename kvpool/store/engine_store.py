@@ -8,8 +8,8 @@
   order, for the scheduler.
 - `after_swaps(plan)` after the step's copies ran: the host blocks they filled are written through to the
   store (gathered at once; written by the store worker).
-- `step_computed(seconds, scheduled)` after each forward: a step with a block or more of prompt tokens
-  tells what recomputing a block costs; a request is held for a read only while the store is faster.
+- `times(scheduled)` / `step_computed(seconds, scheduled)` around a forward of (almost) only prompt tokens:
+  what recomputing a block costs; a request is held for a read only while the store is faster.
 
 Every model the host tier serves is served here. One layer group on one host pool (full-attention models)
 keeps the original fast path: keys under the single-group fingerprint, one GET of the chain past the local
@@ -45,6 +45,19 @@ if TYPE_CHECKING:
     from kvpool.core.swap import SwapPlan
 
 log = logging.getLogger(__name__)
+
+
+PROMPT_SHARE = 0.9  # of a timed step's tokens, at least this many are prompt tokens
+
+
+def prompt_step(scheduled: Sequence[Any], block_size: int) -> bool:
+    """Whether a step of these `ScheduledRequest`s tells what recomputing a block costs: a block or more of
+    prompt tokens, and (almost) nothing else. Beside decode rows a step's time is mostly theirs, and
+    dividing it among the prompt's blocks would make recomputing look dearer than it is, and so a store
+    slower than recomputing worth waiting for (the LMCache 914 failure)."""
+    total = sum(s.num_new_tokens for s in scheduled)
+    prompt = sum(s.num_new_tokens for s in scheduled if s.start_pos < s.request.num_prompt_tokens)
+    return prompt >= block_size and prompt >= PROMPT_SHARE * total
 
 
 class EngineStore:
@@ -148,7 +161,7 @@ class EngineStore:
         if not candidates:
             return False
         if not self.tier.request_arrived_with(req.request_id, candidates, lambda owned: plan.job(candidates, owned),
-                                              recompute_blocks=plan.limit - plan.local_point):
+                                              cost=(plan.needed_from_store(), plan.limit - plan.local_point)):
             return False
         self._held[req.request_id] = req
         return True
@@ -168,13 +181,15 @@ class EngineStore:
             self.kv.host.pools[t].free_blocks(blocks)  # type: ignore[union-attr]
         return sum(len(b) for b, _ in by_type.values())
 
+    def times(self, scheduled: Sequence[Any]) -> bool:
+        """Whether a step of these `ScheduledRequest`s tells what recomputing a block costs (`prompt_step`)."""
+        return prompt_step(scheduled, self.block_size)
+
     def step_computed(self, seconds: float, scheduled: Sequence[Any]) -> None:
-        """A step's forward took `seconds` for the `scheduled` requests (`ScheduledRequest`s): a step with at
-        least a block of prompt tokens tells what recomputing a block costs, which a store read must beat
-        for a request to wait on it (`StoreTier.observe_compute`). Decode steps say little about it."""
-        prompt = sum(s.num_new_tokens for s in scheduled if s.start_pos < s.request.num_prompt_tokens)
-        if prompt >= self.block_size:
-            self.tier.observe_compute(seconds, sum(s.num_new_tokens for s in scheduled) / self.block_size)
+        """A step that `times` approved took `seconds` of compute (its swaps left out) for the `scheduled`
+        requests: what recomputing a block costs, which a store read must beat for a request to wait on it
+        (`StoreTier.observe_compute`)."""
+        self.tier.observe_compute(seconds, sum(s.num_new_tokens for s in scheduled) / self.block_size)
 
     def pump(self) -> list[Any]:
         """Land completed reads in host blocks; the held requests that may be scheduled now, in order."""
@@ -252,6 +267,11 @@ class StoreCollector:
         yield counter("latency_seconds", "Seconds spent in store calls (sum).", st["latency_total_s"])
         yield counter("landed_blocks", "Blocks read from the store into the host tier.", tier.blocks_landed)
         yield counter("request_deadlines", "Requests that stopped waiting for the store.", tier.requests_timed_out)
+        yield counter("requests_not_held_recompute",
+                      "Requests not held for a store read expected to be slower than computing the blocks.",
+                      tier.reads_skipped_recompute)
+        yield gauge("recompute_seconds_per_block", "Measured seconds to compute one block of prompt (0: not yet).",
+                    tier.recompute_s_per_block or 0.0)
         yield gauge("requests_waiting", "Requests waiting for their store reads.", self.store.num_held())
         yield gauge("available", "1 while the store answers, 0 while backing off.", float(tier.worker.store.available))
         yield gauge("slow", "1 while store reads miss the deadline and requests do not wait for them.",

@@ -207,6 +207,11 @@ class ReadPlan:
             out += [self.keys[g][i] for i in rule.candidates(self.local_point, self.limit) if not self.local[g][i]]
         return out
 
+    def needed_from_store(self) -> int:
+        """Values a hit at `limit` would read (what no local tier holds of what every group needs there):
+        the size of the read the job makes when the store has them."""
+        return sum(1 for g, rule in enumerate(self.rules) for i in rule.needed(self.limit) if not self.local[g][i])
+
     def job(self, candidates: list[bytes], owned: list[bytes]) -> Callable[[BlockStore], list[Any]]:
         """The worker-thread read: one EXISTS over the candidates, the hit point with what the store holds,
         then one GET of the owned keys that point needs. Per owned key: (page type, group, payload) or

@@ -77,7 +77,8 @@ class StoreTier:
         self._waiters: dict[str, _Waiter] = {}
         self.blocks_written = 0
         self.blocks_landed = 0
-        self.reads_skipped_slow = 0
+        self.reads_skipped_slow = 0  # requests not held for a read (slow store, or slower than recomputing)
+        self.reads_skipped_recompute = 0  # of those, because computing the blocks was expected to be faster
         self.requests_waited = 0
         self.requests_timed_out = 0
         self._late = 0  # requests in a row whose deadline passed before their read landed
@@ -122,13 +123,16 @@ class StoreTier:
         self._read(want, self.worker.fetch, chain=True)
         return self._wait(request_id, want)
 
-    def _slower_than_recompute(self, num_keys: int, num_blocks: int) -> bool:
+    def _slower_than_recompute(self, num_keys: int, num_blocks: int, round_trips: int = 1) -> bool:
         """Would reading `num_keys` values take longer than computing the `num_blocks` token blocks they
-        hold (LMCache issue 914)? Unknown (no read yet, or no step timed yet) is no."""
+        hold (LMCache issue 914)? Unknown (no read found anything yet, or no step was timed yet) is no."""
         if self.recompute_s_per_block is None or not self.block_bytes:
             return False
-        est = self.stats.estimate_fetch_s(num_keys * self.block_bytes)
-        return est is not None and est > self.recompute_s_per_block * num_blocks
+        est = self.stats.estimate_fetch_s(num_keys * self.block_bytes, round_trips)
+        if est is None or est <= self.recompute_s_per_block * num_blocks:
+            return False
+        self.reads_skipped_recompute += 1
+        return True
 
     def observe_compute(self, seconds: float, num_blocks: float) -> None:
         """A forward computed `num_blocks` blocks' worth of prompt tokens in `seconds`: the recompute cost a
@@ -161,12 +165,13 @@ class StoreTier:
 
     def request_arrived_with(self, request_id: str, keys: Sequence[bytes],
                              make_job: Callable[[list[bytes]], Callable[[Any], list[Any]]],
-                             recompute_blocks: int | None = None) -> bool:
+                             cost: tuple[int, int] | None = None) -> bool:
         """Like `request_arrived`, for a read that decides on the worker thread what to read: `keys` are
         every key the request may need; `make_job(owned)` gives the job reading the ones not already being
         read by an earlier request (`owned`), which returns per owned key a payload for `land_with`'s sink
         or None. The request waits for all of `keys` (its own job and the earlier ones), or its deadline.
-        `recompute_blocks`: the token blocks the keys would spare computing (default: one per key)."""
+        `cost`: (values the read is expected to fetch, token blocks they spare computing), for the
+        read-or-recompute choice; the job costs two round trips (EXISTS, then GET). Default: one per key."""
         want = list(keys)
         if not want or not self.worker.store.available:
             return False
@@ -174,7 +179,8 @@ class StoreTier:
         def start(owned: list[bytes]) -> Future[list[Any]]:
             return self.worker.submit(make_job(owned), [None] * len(owned))
 
-        if self.slow or self._slower_than_recompute(len(want), recompute_blocks or len(want)):
+        fetch, spared = cost if cost is not None else (len(want), len(want))
+        if self.slow or self._slower_than_recompute(fetch, spared, round_trips=2):
             self._read_behind(want, start, chain=False)
             return False
         self._read(want, start, chain=False)

@@ -119,6 +119,10 @@ def test_store_metrics_on_the_server(chat_llama_dir: Path, tmp_path: Path) -> No
         assert 'kvpool:store_available{model_name="tiny"} 1.0' in text
         written = [ln for ln in text.splitlines() if ln.startswith("kvpool:store_bytes_written_total")]
         assert written and float(written[0].split()[-1]) > 0
+        # The 50-token prompt step (3 blocks of 16) was timed: what computing a block costs here.
+        per_block = [ln for ln in text.splitlines() if ln.startswith("kvpool:store_recompute_seconds_per_block")]
+        assert per_block and float(per_block[0].split()[-1]) == eng.store.tier.recompute_s_per_block > 0
+        assert 'kvpool:store_requests_not_held_recompute_total{model_name="tiny"} 0.0' in text
     finally:
         h.stop()
         eng.store.close()
@@ -166,10 +170,12 @@ def test_a_store_slower_than_recomputing_holds_no_request(tiny_llama_dir: Path, 
     assert per_block is not None and 0 < per_block < 1
     run(second, [prompts(seed=9, n=1)[0][:58]])  # a prefix hit of 56 tokens: 2 prompt tokens computed, then decode
     assert tier.recompute_s_per_block == per_block  # steps without a block of prompt say nothing of it
-    tier.stats.add(read_calls=1, read_seconds=1e3, bytes_read=1)  # reads measured at minutes each
+    assert tier.stats.estimate_fetch_s(1) is None  # its reads so far found nothing: no estimate from them
+    tier.stats.fetched(1e3, 1)  # a read measured at minutes (as of a remote store across a slow link)
     calls = tier.stats.read_calls
     req = eng.add_request(prompts()[0], SamplingParams.greedy(N_NEW))
-    assert not eng.store.is_held(req.request_id) and tier.reads_skipped_slow == 1 and tier.requests_waited == 1
+    assert not eng.store.is_held(req.request_id) and tier.reads_skipped_recompute == 1
+    assert tier.requests_waited == 1  # (only the first request of its own, before any step was timed)
     outs = []
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]

@@ -88,6 +88,17 @@ def plan(local: list[list[bool]], rules: list[HitRule], limit: int) -> ReadPlan:
     return ReadPlan(rules, local, hit_point(rules, local, limit), limit, keys, [0, 1, 1])
 
 
+def test_the_read_is_costed_by_what_a_hit_at_the_limit_needs() -> None:
+    """Not every candidate (each group's blocks that some point could need) but what the point at the limit
+    needs and no local tier holds: the full group's missing blocks, the window before it, the one state."""
+    rules = [HitRule(FULL), HitRule(SLIDING, 2), HitRule(STATE)]
+    local = [[T, T, T, F, F, F, F, F], [F, T, T, F, F, F, F, F], [F, F, T, F, F, F, F, F]]
+    p = plan(local, rules, 8)
+    assert len(p.candidates()) == 5 + 5 + 5
+    assert p.needed_from_store() == 5 + 2 + 1
+    assert plan([[T] * 8, [F, F, F, F, F, F, T, T], [T] * 8], rules, 8).needed_from_store() == 0
+
+
 def test_the_read_asks_once_and_reads_exactly_what_the_point_needs(tmp_path: Path, tiny_llama_dir: Path) -> None:
     rules = [HitRule(FULL), HitRule(SLIDING, 2), HitRule(STATE)]
     n = 8

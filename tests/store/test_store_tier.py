@@ -13,13 +13,16 @@ import hashlib
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.store import BlockStore, Fingerprint, open_store
+from kvpool.store.base import StoreStats
 from kvpool.store.blocks import block_nbytes
+from kvpool.store.engine_store import prompt_step
 from kvpool.store.file_store import FileStore
 from kvpool.store.server import RedisServer
 from kvpool.store.tier import StoreTier
@@ -132,13 +135,45 @@ def test_store_slower_than_recompute_is_not_waited_on(tmp_path: Path) -> None:
     t = tier(url, block_bytes=block_nbytes(cs), recompute_s_per_block=1e-9)
     assert t.request_arrived("warm", H[:2])  # the first read measures the store: nothing known, it waits
     assert land_all(t, pool, cs) == 2
-    assert not t.request_arrived("r", H[2:4]) and t.reads_skipped_slow == 1
+    assert not t.request_arrived("r", H[2:4]) and t.reads_skipped_slow == t.reads_skipped_recompute == 1
     assert t.ready("r") and t.requests_waited == 1
     assert land_all(t, pool, cs) == 2  # read behind it: landed for the next request
     assert set(pool.cached) == set(H[:4])
     t.recompute_s_per_block = 1e3  # computing is slower than any read: requests wait again
     assert t.request_arrived("r2", H[4:6]) and t.requests_waited == 2
     t.close()
+
+
+def test_the_fetch_estimate_follows_recent_reads_that_found_something() -> None:
+    """Reads of misses move no bytes and say nothing of what reading blocks costs; one slow read is
+    forgotten as fast reads follow (a moving average, not the mean since start)."""
+    st = StoreStats()
+    assert st.estimate_fetch_s(100) is None
+    st.fetched(0.5, 0)  # all misses
+    assert st.estimate_fetch_s(100) is None
+    st.fetched(0.01, 100)
+    assert st.estimate_fetch_s(100) == pytest.approx(0.01)
+    assert st.estimate_fetch_s(300) == pytest.approx(0.03)  # beyond a mean-sized read: by the bytes
+    assert st.estimate_fetch_s(10) == pytest.approx(0.01)  # at least one round trip
+    assert st.estimate_fetch_s(100, round_trips=2) == pytest.approx(0.02)
+    st.fetched(1.0, 100)  # one slow read
+    assert st.estimate_fetch_s(100) == pytest.approx(0.01 + StoreStats.FETCH_EWMA * 0.99)
+    for _ in range(15):
+        st.fetched(0.01, 100)
+    assert st.estimate_fetch_s(100) < 0.02
+
+
+def test_only_steps_of_prompt_tokens_are_timed() -> None:
+    def sched(*rows: tuple[int, int, int]) -> list[SimpleNamespace]:  # (start_pos, new tokens, prompt length)
+        return [SimpleNamespace(start_pos=a, num_new_tokens=n, request=SimpleNamespace(num_prompt_tokens=p))
+                for a, n, p in rows]
+
+    assert prompt_step(sched((0, 64, 64)), 16)
+    assert prompt_step(sched((0, 64, 64), (70, 1, 60)), 16)  # one decode row beside it: 98% prompt
+    assert not prompt_step(sched((0, 16, 16), *[(70, 1, 60)] * 40), 16)  # 40 decode rows: their time mostly
+    assert not prompt_step(sched((0, 15, 15)), 16)  # less than a block
+    assert prompt_step(sched((48, 16, 100)), 16)  # a middle chunk of a prompt
+    assert not prompt_step(sched((100, 1, 100)), 16)
 
 
 def test_recompute_cost_is_a_moving_average_of_prompt_steps(tmp_path: Path) -> None:
