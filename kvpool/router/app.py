@@ -51,9 +51,16 @@ from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.resume import Diverged, StreamText, resumable
 from kvpool.router.subscriber import EventSubscriber
-from kvpool.server.errors import APIError, add_error_handlers, check_api_key, read_raw, until_disconnected
+from kvpool.server.errors import (
+    APIError,
+    add_error_handlers,
+    cancel_and_wait,
+    check_api_key,
+    read_raw,
+    until_disconnected,
+)
 from kvpool.server.json_body import BodyError, parse_json_object
-from kvpool.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvpool.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, chat_messages
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,6 +121,10 @@ class RouteKey:
 
     hashes: list[bytes]
     sticky: list[bytes] | None = None
+
+
+def _has_image(m: ChatMessage) -> bool:
+    return isinstance(m.content, list) and any(p.image_url is not None for p in m.content)
 
 
 def image_digest(messages: list[ChatMessage]) -> str | None:
@@ -325,11 +336,14 @@ class Router:
                 rep.load.waiting = int(vals.get("num_requests_waiting", 0))
                 rep.load.kv_usage = vals.get("kv_cache_usage_perc", 0.0)
                 rep.load.polled_at = polled_at
-        if back and rep.subscriber is not None:
+        if back:
             # It may have restarted, its caches empty (its new event stream would say so, but only with its
-            # first event): what was routed there lately is forgotten, and its index rebuilt from its replay.
-            self.pending.clear(rep.name)
-            rep.subscriber.resync()
+            # first event): what was routed there is forgotten (chats with pictures, and everything for a
+            # replica without events), and its index rebuilt from its replay.
+            self.routed.clear(rep.name)
+            if rep.subscriber is not None:
+                self.pending.clear(rep.name)
+                rep.subscriber.resync()
         m = self.metrics
         m.healthy.labels(rep.name).set(1 if ok else 0)
         if rep.subscriber is not None:
@@ -384,6 +398,7 @@ class Router:
         flight there; None when no healthy replica is left."""
         key = key if isinstance(key, RouteKey) else RouteKey(key)
         hashes = key.hashes
+        blocks = max(len(hashes), len(key.sticky or ()))  # the prompt's full blocks
         now = time.monotonic()
         with self._lock:
             cands = [n for n, r in self.replicas.items() if r.healthy and n not in exclude]
@@ -407,7 +422,7 @@ class Router:
                     got = matched_all.get(n, (0, 0.0))
                     if approx > got[0]:  # routed there recently: its events have not arrived yet
                         matched_all[n] = (approx, got[1] + (approx - got[0]))
-                c = choose(cands, matched_all, {n: self.replicas[n].load for n in cands}, len(hashes),
+                c = choose(cands, matched_all, {n: self.replicas[n].load for n in cands}, blocks,
                            beta=self.beta, gamma=self.gamma, tie_break=self._rr)
                 name, matched, reason = c.replica, c.matched_blocks, c.reason
             rep = self.replicas[name]
@@ -421,10 +436,10 @@ class Router:
         m = self.metrics
         m.decisions.labels(name, reason).inc()
         m.in_flight.labels(name).set(rep.load.in_flight)
-        if hashes:
-            m.prompt_blocks.inc(len(hashes))
+        if blocks:
+            m.prompt_blocks.inc(blocks)
             m.matched_blocks.inc(matched)
-            m.matched_fraction.observe(matched / len(hashes))
+            m.matched_fraction.observe(matched / blocks)
         return name, matched
 
     def _approx(self, rep: Replica) -> RoutedIndex:
@@ -444,42 +459,53 @@ class Router:
     def route_key(self, path: str, body: dict[str, Any]) -> RouteKey:
         """What the request is routed by (tokenized as a replica would, hashed as a replica hashes)."""
         with self._tok_lock:
-            tokens, salt, images = self._tokens_of(path, body)
+            tokens, salt, images, before_images = self._tokens_of(path, body)
         try:
             hashes = self.block_hashes(tokens, salt, body.get("model"))
         except ValueError:  # token ids no tokenizer makes (a replica answers with the 400 that says why)
             return RouteKey([])
         if images is None:
             return RouteKey(hashes)
-        return RouteKey(hashes, self.block_hashes(tokens, f"{salt or ''}|images:{images}", body.get("model")))
+        # Past the first picture the replicas' tokens (and hashes) are not these: matched against their
+        # events, these would credit a replica holding the same words without the picture.
+        return RouteKey(hashes[:before_images // self.hasher.block_size],
+                        self.block_hashes(tokens, f"{salt or ''}|images:{images}", body.get("model")))
 
-    def _tokens_of(self, path: str, body: dict[str, Any]) -> tuple[list[int] | None, str | None, str | None]:
+    def _tokens_of(self, path: str, body: dict[str, Any]
+                   ) -> tuple[list[int] | None, str | None, str | None, int]:
         """The prompt's token ids as a replica would compute them (a chat's images left out), the cache
-        salt, and a digest of the chat's images in order (None without images); (None, None, None) when
-        the router cannot tell (no tokenizer for a text prompt, or a body the replica will reject)."""
+        salt, a digest of the chat's images in order (None without images), and how many leading tokens a
+        replica has too (all but those from the first message with a picture on); (None, None, None, 0)
+        when the router cannot tell (no tokenizer for a text prompt, or a body the replica will reject)."""
         try:
             if path.endswith("/chat/completions"):
                 req = ChatCompletionRequest.model_validate(body)
                 images = image_digest(req.messages)
                 if self.tokenizer is None:
-                    return None, req.cache_salt, images
-                ids = self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True,
-                                                         tokenize=True)
-                if not isinstance(ids, list):
-                    ids = ids["input_ids"]
-                return list(ids), req.cache_salt, images
+                    return None, req.cache_salt, images, 0
+                ids = self._chat_ids(chat_messages(req.messages), True)
+                if images is None:
+                    return ids, req.cache_salt, None, len(ids)
+                first = next(i for i, m in enumerate(req.messages) if _has_image(m))
+                before = self._chat_ids(chat_messages(req.messages[:first]), False) if first else []
+                return ids, req.cache_salt, images, len(before) if ids[:len(before)] == before else 0
             creq = CompletionRequest.model_validate(body)
             prompt = creq.single_prompt()
             if isinstance(prompt, str):
                 if self.tokenizer is None:
-                    return None, creq.cache_salt, None
-                return list(self.tokenizer.encode(prompt)), creq.cache_salt, None
-            return list(prompt), creq.cache_salt, None
+                    return None, creq.cache_salt, None, 0
+                ids = list(self.tokenizer.encode(prompt))
+                return ids, creq.cache_salt, None, len(ids)
+            return list(prompt), creq.cache_salt, None, len(prompt)
         except (ValidationError, ValueError, TypeError, KeyError):
-            return None, None, None
+            return None, None, None, 0
         except Exception as e:  # a template that refuses the conversation: the replica will say why
             log.debug("router: could not tokenize (%s)", e)
-            return None, None, None
+            return None, None, None, 0
+
+    def _chat_ids(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -512,6 +538,26 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return APIError(status, message, param).response()
 
 
+class _KeyRequired:
+    """`--api-key`: every route but /health and /metrics (probes, scrapers) needs the key, checked before
+    the body is read, tokenized or routed. Plain ASGI, not Starlette's BaseHTTPMiddleware, under which a
+    handler no longer sees its client leave (and so cannot drop the request on the replica)."""
+
+    OPEN = frozenset(("/health", "/metrics"))
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            try:
+                check_api_key(Request(scope), self.api_key)
+            except APIError as e:
+                await e.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: int = 3,
                request_timeout_s: float | None = None, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -521,17 +567,8 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
 
     app = FastAPI(title="kvpool router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     add_error_handlers(app)  # unknown routes, wrong methods and anything unexpected: OpenAI error bodies
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        # The API and the router's own state (its replicas' addresses and loads) need the key, checked before
-        # anything is read or tokenized; /health and /metrics stay open to probes and scrapers.
-        if api_key is not None and request.url.path.startswith(("/v1/", "/router/")):
-            try:
-                check_api_key(request, api_key)
-            except APIError as e:
-                return e.response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_KeyRequired, api_key=api_key)
     # No read timeout by default: a non-streaming answer arrives whole when it is done, which for a long
     # generation on a slow machine can take many minutes; timing it out would mark a healthy replica down
     # and run the request again elsewhere. A dead replica drops the connection (or fails its health
@@ -638,6 +675,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
                         if state == "ok" and head is not None:
                             router.answered(name, resp.status_code)
                             committed = True
+                            left = None  # (a later take-up's retries are its own)
                             return _Upstream(name, epoch, resp, chunks, head, sse)
                 except httpx.HTTPError:  # refused, reset, or died mid-answer: the client has seen nothing yet
                     router.mark_down(name)
@@ -655,7 +693,12 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
             return None
 
         async def take_up() -> _Upstream | None:
+            """Another replica's stream of the same request, to finish a failed one; only a 200 event stream
+            will do (a 404 or 429 body has nothing to splice into the client's events)."""
             got = await attempt()
+            if isinstance(got, _Upstream) and (got.resp.status_code != 200 or not got.sse):
+                await got.close(router)
+                return None
             return got if isinstance(got, _Upstream) else None
 
         got = await attempt()
@@ -682,6 +725,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
 _RETRIED = frozenset((500, 502, 503, 504))
 _HEAD_LIMIT = 64 << 10  # bytes of a stream held back at most before it is committed anyway
 _WATCH_POLL_S = 0.1
+_STALLED_S = 1.0  # a stream whose replica was marked down, silent this long, has failed
 
 
 async def _watch(work: Awaitable[T], request: Request, router: Router, name: str, epoch: int
@@ -764,31 +808,34 @@ class _Upstream:
     chunks: AsyncIterator[bytes]
     head: bytes
     sse: bool
+    last_bytes_at: float = field(default_factory=time.monotonic)
 
     async def next(self, router: Router) -> bytes | None:
-        """The next bytes (None at the end); _Down once the replica is marked down (say its health checks
-        found it frozen mid-stream: it would never send another byte, nor close the connection)."""
+        """The next bytes (None at the end); _Down once the replica has been marked down and this stream has
+        sent nothing for `_STALLED_S` (a frozen replica never sends another byte, nor closes the
+        connection; one marked down for other reasons, say missed health checks while busy, whose stream
+        still flows, keeps it)."""
         rep = router.replicas[self.name]
         task = asyncio.ensure_future(self.chunks.__anext__())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=_WATCH_POLL_S)
                 if done:
+                    self.last_bytes_at = time.monotonic()
                     try:
                         return task.result()
                     except StopAsyncIteration:
                         return None
-                if rep.downs != self.epoch:
+                if rep.downs != self.epoch and time.monotonic() - self.last_bytes_at >= _STALLED_S:
                     raise _Down(f"replica {self.name} was marked down")
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, StopAsyncIteration):
-                    await task
+            await cancel_and_wait(task)
 
     async def close(self, router: Router) -> None:
-        await self.resp.aclose()  # (mid-answer: the replica aborts the request and frees its blocks)
-        router.done(self.name)
+        try:
+            await self.resp.aclose()  # (mid-answer: the replica aborts the request and frees its blocks)
+        finally:
+            router.done(self.name)
 
 
 class _Down(Exception):
@@ -798,9 +845,10 @@ class _Down(Exception):
 async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[_Upstream | None]] | None
                  ) -> AsyncIterator[bytes]:
     """The stream to the client, whole events at a time. When the replica fails mid-stream (the connection
-    breaks, or it is marked down) the partial event it left is dropped; then `take_up` (for a request
-    another replica answers with the same text: `kvpool.router.resume`) has another replica finish the
-    stream, and otherwise, or if none can, the client's parser sees a clean error event, then the end."""
+    breaks, or it is marked down and stalls) the partial event it left is dropped; then `take_up` (for a
+    request another replica answers with the same text: `kvpool.router.resume`) has another replica finish
+    the stream, and otherwise, or if none can, the client's parser sees a clean error event, then the end.
+    A stream whose end the client already has is not taken up."""
     cursor = StreamText() if take_up is not None else None
     following = False  # relaying a replacement, through `cursor.follow`
     current: _Upstream | None = up  # (None once closed)
@@ -813,8 +861,8 @@ async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[
                     if up.sse:
                         data = tail + data
                         payloads, end = _events(data)
-                        if len(data) - end > _HEAD_LIMIT:  # no event boundary the router knows: pass it on as it is
-                            end = len(data)
+                        if not following and len(data) - end > _HEAD_LIMIT:
+                            end = len(data)  # no event boundary the router knows: pass it on as it is
                         data, tail = data[:end], data[end:]
                         if following:
                             assert cursor is not None
@@ -826,7 +874,11 @@ async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[
                     if data:
                         yield data
                     data = await up.next(router)
-                if tail and not following:
+                if following:
+                    assert cursor is not None
+                    if not cursor.complete():
+                        raise Diverged("it ended before repeating the text already sent")
+                elif tail:
                     yield tail  # (the replica's own last bytes, as it ended them)
                 return
             except (httpx.HTTPError, _Down) as e:
@@ -834,6 +886,10 @@ async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[
                     router.mark_down(up.name)
                 current = None
                 await up.close(router)
+                if cursor is not None and (cursor.done or cursor.finished):
+                    if not cursor.done:
+                        yield b"data: [DONE]\n\n"  # the client has the whole answer: only its end was owed
+                    return
                 nxt = await take_up() if take_up is not None else None
                 if nxt is None:
                     yield _error_event(f"replica failed mid-stream: {e}")

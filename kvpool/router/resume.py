@@ -22,8 +22,11 @@ class Diverged(Exception):
 
 
 def resumable(body: dict[str, Any]) -> bool:
-    """Whether another replica would stream this request's answer with the same text."""
+    """Whether another replica would stream this request's answer with the same text (and nothing else a
+    text skip would cut wrongly: no tool calls, no per-token logprobs)."""
     if body.get("n") not in (None, 1) or body.get("echo") or body.get("best_of") not in (None, 1):
+        return False
+    if any(body.get(k) for k in ("tools", "functions", "logprobs", "top_logprobs")):
         return False
     seed, temperature, top_k = body.get("seed"), body.get("temperature"), body.get("top_k")
     greedy = (isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature == 0) or (
@@ -56,30 +59,44 @@ def _set_text(choice: dict[str, Any], text: str) -> None:
 
 
 class StreamText:
-    """What one stream has sent the client (`sent`, per relayed event), and, once another replica takes
-    it up, which of the replacement's events to relay and how (`follow`)."""
+    """What the client has been sent of a stream (`sent`, per relayed event of the first stream), and, once
+    another replica takes it up, which of the replacement's events to relay and how (`follow`, which also
+    counts what it relays as sent: a replacement may fail in turn)."""
 
     def __init__(self) -> None:
         self.text = ""  # the client's text so far
         self.id: Any = None
         self.created: Any = None
-        self._matched = 0  # how much of `text` the replacement has repeated
+        self.finished = False  # a finish reason was sent
+        self.done = False  # the end ([DONE]) was sent: nothing is owed
+        self._matched = 0  # how much of `text` the current replacement has repeated
+        self._errored = False  # the replacement sent an error event: its end is passed on
 
     def sent(self, payload: bytes) -> None:
         """An event the client was sent (its data payload)."""
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return
         try:
             obj = json.loads(payload)
         except ValueError:
-            return  # [DONE], or a comment
+            return  # a comment
         if isinstance(obj, dict) and self.id is None:
             self.id, self.created = obj.get("id"), obj.get("created")
         choice = _choice(obj)
         if choice is not None:
             self.text += _text(choice)
+            self.finished = self.finished or choice.get("finish_reason") is not None
+        self._matched = len(self.text)
 
     def restart(self) -> None:
         """Another replica takes the stream up from its beginning."""
         self._matched = 0
+        self._errored = False
+
+    def complete(self) -> bool:
+        """Has the replacement repeated everything the client already had (so its end is a fine end)?"""
+        return self._errored or self._matched >= len(self.text)
 
     def follow(self, payload: bytes) -> bytes | None:
         """The replacement's event as the client is to get it (None: the client has it already)."""
@@ -88,10 +105,12 @@ class StreamText:
         try:
             obj = json.loads(payload)
         except ValueError:  # [DONE]
-            if self._matched < len(self.text):
+            if not self.complete():
                 raise Diverged("it ended before repeating the text already sent") from None
+            self.done = True
             return payload
         if not isinstance(obj, dict) or "error" in obj:
+            self._errored = True
             return payload  # the replacement's own error: the client's to see
         choice = _choice(obj)
         if choice is not None:
@@ -102,7 +121,7 @@ class StreamText:
                     raise Diverged("its text differs from the text already sent")
                 self._matched += len(head)
                 text = text[len(head):]
-                if self._matched < len(self.text) and choice.get("finish_reason") is not None:
+                if not self.complete() and choice.get("finish_reason") is not None:
                     raise Diverged("it finished before repeating the text already sent")
                 if not text and choice.get("finish_reason") is None:
                     return None  # all of it already sent
@@ -112,7 +131,10 @@ class StreamText:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 delta.pop("role", None)  # (sent once, in the first stream's first chunk)
-        elif self._matched < len(self.text):
+            self.text += text
+            self._matched = len(self.text)
+            self.finished = self.finished or choice.get("finish_reason") is not None
+        elif not self.complete():
             raise Diverged("it ended before repeating the text already sent")
         if self.id is not None:
             obj["id"], obj["created"] = self.id, self.created

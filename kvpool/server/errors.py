@@ -7,10 +7,12 @@ while watching whether the client is still there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -96,16 +98,22 @@ async def until_disconnected(work: Awaitable[T], request: Request, poll_s: float
             if (stop is not None and stop()) or await request.is_disconnected():
                 return False, None
     finally:
-        if not task.done():
-            task.cancel()
-            try:
-                await task  # let it wind down (an upstream connection closed) before the caller goes on
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # not its cancellation but ours: pass it on
-            except Exception:  # its own failure is moot once the client has gone
-                pass
+        await cancel_and_wait(task)
+
+
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel `task` and let it wind down (an upstream connection closed) before going on, even when the
+    caller is being cancelled itself (inside a streamed response whose client left): a read cut short in
+    its own cleanup leaves the connection to the replica open, and the replica working for no one. Its own
+    outcome is dropped; the caller's cancellation, held off meanwhile, is passed on."""
+    if task.done():
+        return
+    task.cancel()
+    with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    current = asyncio.current_task()
+    if current is not None and current.cancelling():
+        raise asyncio.CancelledError
 
 
 def add_error_handlers(app: FastAPI) -> None:

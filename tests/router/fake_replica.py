@@ -3,7 +3,8 @@ over asyncio on a thread, so an answer can be a 500 while /health is fine, or a 
 middle of an event. It answers /health with 200, /metrics with `metrics`, and every POST per `mode`:
 - "err500": a 500 with an OpenAI error body;
 - "cutmid": a 200 event stream (chunked) with one whole event, then half of the next, then the
-  connection closes."""
+  connection closes;
+- "err404": a 404 with an OpenAI error body (a replica without the model or adapter asked for)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ CUT_EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"inde
 CUT_PART = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" wor'
 ERR500 = (b'{"error":{"message":"internal error: boom","type":"internal_server_error","param":null,'
           b'"code":500}}')
+ERR404 = b'{"error":{"message":"model `x` not found","type":"not_found_error","param":"model","code":404}}'
 
 
 class FakeReplica:
@@ -68,7 +70,10 @@ class FakeReplica:
                         await writer.drain()
                         await asyncio.sleep(0.05)
                     return  # (closed mid-body: the client reads an incomplete chunked body)
-                if method == "POST":
+                if method == "POST" and self.mode == "err404":
+                    self.posts += 1
+                    status, ctype, out = b"404 Not Found", b"application/json", ERR404
+                elif method == "POST":
                     self.posts += 1
                     status, ctype, out = b"500 Internal Server Error", b"application/json", ERR500
                 elif path == "/metrics":

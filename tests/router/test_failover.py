@@ -170,6 +170,79 @@ def test_a_sampled_stream_on_a_replica_that_freezes_ends_with_an_error(
     wait_until(lambda: front.router.replicas[frozen.url].healthy)
 
 
+class slowed:
+    """A replica whose engine sleeps `s` before each step (a long answer streams for seconds)."""
+
+    def __init__(self, handle: ServerHandle, s: float) -> None:
+        self.llm, self.s = handle.engine.engine, s
+
+    def __enter__(self) -> slowed:
+        step = self.llm.step
+        self.llm.step = lambda: (time.sleep(self.s), step())[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.llm.step
+
+
+def test_a_client_leaving_mid_stream_stops_the_replica(pair: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    front, (home, _) = pair
+    wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))
+    body = {**COMPLETION, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with slowed(home, 0.03):  # 200 tokens: 6 s or more
+        front.router._rr = -1
+        with httpx.stream("POST", f"{front.url}/v1/completions", json=body, timeout=20) as r:
+            assert r.headers["x-kvpool-replica"] == home.url
+            next(r.iter_raw())  # the first event, then the client goes
+        t0 = time.monotonic()
+        wait_until(lambda: home.engine.num_pending == 0, timeout=3)
+        assert time.monotonic() - t0 < 3  # aborted there, not generated to the end for no one
+    wait_until(lambda: front.router.replicas[home.url].load.in_flight == 0)
+
+
+def test_a_flowing_stream_is_not_cut_when_its_replica_is_marked_down(
+        pair: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    """Marked down for something else (three 500s on other requests, missed health checks while busy), a
+    replica whose stream still flows keeps it: only a stream that also went silent has failed."""
+    front, (home, _) = pair
+    wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))
+    body = {**COMPLETION, "max_tokens": 10, "ignore_eos": True, "stream": True}
+    taken_up = metric(front.url, "kvpool_router:streams_taken_up_total", replica=home.url)
+    with slowed(home, 0.3):  # a token every 0.3 s: gaps the router notices, shorter than a stall
+        front.router._rr = -1
+        with httpx.stream("POST", f"{front.url}/v1/completions", json=body, timeout=20) as r:
+            it = r.iter_raw()
+            raw = next(it)
+            front.router.mark_down(home.url)
+            raw += b"".join(it)
+    events = stream_events(raw)
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), raw
+    direct = stream_events(httpx.post(f"{home.url}/v1/completions", json=body, timeout=20).content)
+    assert stream_text(events) == stream_text(direct)
+    assert metric(front.url, "kvpool_router:streams_taken_up_total", replica=home.url) == taken_up
+    wait_until(lambda: front.router.replicas[home.url].healthy)
+
+
+def test_a_replacement_that_cannot_stream_ends_the_stream_with_an_error(chat_tokenizer: Any) -> None:
+    """The replica that was to take a stream up answers 404 (it lacks the adapter, say): the client gets an
+    error event and the end, never that replica's JSON body spliced into its event stream."""
+    cut, missing = FakeReplica("cutmid"), FakeReplica("err404")
+    front = start_front([ReplicaSpec(cut.url), ReplicaSpec(missing.url)], chat_tokenizer, policy="round-robin")
+    try:
+        front.router._rr = -1
+        with httpx.stream("POST", f"{front.url}/v1/completions", timeout=20,
+                          json={"prompt": "x", "stream": True, "temperature": 0}) as r:
+            raw = b"".join(r.iter_raw())
+        assert raw.startswith(CUT_EVENT) and raw.endswith(b"data: [DONE]\n\n") and b"not_found" not in raw, raw
+        assert json.loads(stream_events(raw)[1])["error"]["message"].startswith("replica failed mid-stream")
+        assert missing.posts == 1
+        wait_until(lambda: all(r.load.in_flight == 0 for r in front.router.replicas.values()))
+    finally:
+        front.stop()
+        cut.stop()
+        missing.stop()
+
+
 def test_a_sampled_stream_cut_mid_way_is_not_finished_elsewhere(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
     """Without a seed another replica would sample other text: the client gets an error event, not a splice;
     and a replacement whose text differs from what was sent (here a real replica after a fake one's

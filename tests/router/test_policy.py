@@ -3,6 +3,7 @@ prefix/load trade-off (a hot prefix spreads; a long cached prefix wins over a sm
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -99,9 +100,12 @@ def test_router_hashes_like_the_replicas_including_the_salt() -> None:
     assert r.route_key("/v1/completions", {"prompt": "text"}) == RouteKey([])  # no tokenizer: route by load
 
 
+SYSTEM = "You answer questions about pictures, briefly and truthfully. " * 3
+
+
 def image_chat(*urls: str, text: str = "What is this?") -> dict[str, Any]:
     parts = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in urls)]
-    return {"messages": [{"role": "user", "content": parts}]}
+    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]}
 
 
 def test_a_chat_with_images_is_also_keyed_by_them(chat_tokenizer: Any) -> None:
@@ -110,10 +114,18 @@ def test_a_chat_with_images_is_also_keyed_by_them(chat_tokenizer: Any) -> None:
     a chat with the same words and other images does not share."""
     r = Router([ReplicaSpec("http://a:1"), ReplicaSpec("http://b:1")], tokenizer=chat_tokenizer, block_size=4)
     path = "/v1/chat/completions"
-    text = r.route_key(path, {"messages": [{"role": "user", "content": "What is this?"}]})
+    text = r.route_key(path, {"messages": [{"role": "system", "content": SYSTEM},
+                                           {"role": "user", "content": "What is this?"}]})
     one = r.route_key(path, image_chat("data:image/png;base64,AAAA"))
-    assert text.sticky is None and one.hashes == text.hashes  # (the text as the replica's until the image)
-    assert one.sticky is not None and len(one.sticky) == len(one.hashes) and one.sticky[0] != one.hashes[0]
+    # Matched against the replicas' events: the blocks of the messages before the first picture only, which a
+    # replica tokenizes alike (past it, its tokens hold the picture's); not the same words' without a picture.
+    system_ids = chat_tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=True)
+    system_ids = system_ids if isinstance(system_ids, list) else system_ids["input_ids"]
+    assert len(one.hashes) == len(system_ids) // 4 < len(text.hashes) and text.sticky is None
+    assert one.hashes == text.hashes[:len(one.hashes)]
+    assert one.sticky is not None and len(one.sticky) == len(text.hashes) and one.sticky[0] != text.hashes[0]
+    first_message = r.route_key(path, {"messages": image_chat("data:image/png;base64,AAAA")["messages"][1:]})
+    assert first_message.hashes == [] and first_message.sticky
     assert r.route_key(path, image_chat("data:image/png;base64,AAAA")) == one
     assert r.route_key(path, image_chat("data:image/png;base64,AAAB")).sticky != one.sticky
     two = r.route_key(path, image_chat("data:image/png;base64,AAAA", "data:image/png;base64,AAAB"))
@@ -128,6 +140,11 @@ def test_a_chat_with_images_is_also_keyed_by_them(chat_tokenizer: Any) -> None:
     r.done(first[0])
     assert r.routed.match(one.sticky, first[0]) == len(one.sticky)
     assert r.pending.match(one.hashes, first[0]) == 0  # the text-only hashes are not remembered for it
+    # A replica back from down may have restarted, its caches empty: what was sent there is forgotten.
+    r.mark_down(first[0])
+    answers = SimpleNamespace(get=lambda url: SimpleNamespace(status_code=200, text=""))
+    r._check(answers, r.replicas[first[0]])  # type: ignore[arg-type]
+    assert r.replicas[first[0]].healthy and r.routed.match(one.sticky, first[0]) == 0
 
 
 def test_router_marks_a_replica_down_after_a_run_of_missed_health_checks() -> None:

@@ -35,6 +35,11 @@ def chat(delta: dict[str, Any], finish: str | None = None, id_: str = "chatcmpl-
     ({"seed": True}, False),  # (a bool is not a seed)
     ({"temperature": False}, False),
     ({"temperature": "0"}, False),
+    ({"temperature": 0, "tools": [{"type": "function", "function": {"name": "f"}}]}, False),  # (tool deltas)
+    ({"temperature": 0, "logprobs": True}, False),  # (per-token logprobs a text skip would cut wrongly)
+    ({"temperature": 0, "logprobs": 2}, False),
+    ({"temperature": 0, "top_logprobs": 3}, False),
+    ({"temperature": 0, "tools": []}, True),
 ])
 def test_resumable(body: dict[str, Any], ok: bool) -> None:
     assert resumable(body) is ok
@@ -103,3 +108,41 @@ def test_a_replacement_error_is_passed_on() -> None:
     st.restart()
     err = json.dumps({"error": {"message": "boom", "type": "x", "param": None, "code": 500}}).encode()
     assert st.follow(err) == err
+
+
+def test_a_second_take_up_repeats_what_the_first_replacement_relayed() -> None:
+    st = StreamText()
+    st.sent(completion("Hello"))
+    st.restart()  # B takes it up, relays more, then fails too
+    assert st.follow(completion("Hello world")) is not None and st.text == "Hello world"
+    st.restart()  # C
+    out = [st.follow(p) for p in (completion("Hello wor"), completion("ld foo", "stop"), b"[DONE]")]
+    assert out[0] is None and json.loads(out[1])["choices"][0]["text"] == " foo" and out[2] == b"[DONE]"
+    assert st.text == "Hello world foo" and st.finished and st.done
+
+
+def test_what_the_client_already_has_of_the_end() -> None:
+    st = StreamText()
+    st.sent(completion("Hi"))
+    assert not st.finished and not st.done
+    st.sent(completion("", "stop"))
+    assert st.finished and not st.done
+    st.sent(b"[DONE]")
+    assert st.done
+
+
+def test_a_replacement_error_and_its_end_are_passed_on_once() -> None:
+    st = StreamText()
+    st.sent(completion(" Once upon"))
+    st.restart()
+    err = json.dumps({"error": {"message": "engine died", "type": "x", "param": None, "code": 503}}).encode()
+    assert st.follow(err) == err
+    assert st.follow(b"[DONE]") == b"[DONE]"  # not a second, made-up error: it ended with its own
+
+
+def test_a_replacement_ending_short_is_not_complete() -> None:
+    st = StreamText()
+    st.sent(completion(" Once upon"))
+    st.restart()
+    assert st.follow(completion(" Once")) is None and not st.complete()
+    assert st.follow(completion(" upon a")) is not None and st.complete()

@@ -202,13 +202,14 @@ def test_the_router_closes_its_connections_to_the_replicas_when_it_stops(chat_ll
 
 
 def test_the_router_api_key(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
-    """--api-key: the API and /router/state need the key (an OpenAI 401 before anything reaches a replica);
-    /health and /metrics stay open to probes and scrapers."""
+    """--api-key: every route but /health and /metrics (open to probes and scrapers) needs the key: the API,
+    /router/state, the cache reset (an OpenAI 401 before anything reaches a replica)."""
     h, spec = start_replica(chat_llama_dir, events=False)
     front = start_router(Router([spec], tokenizer=chat_tokenizer, block_size=16), api_key="sesame")
     try:
         body = {"prompt": "hi", "max_tokens": 1}
-        for path, method in (("/v1/completions", "POST"), ("/v1/models", "GET"), ("/router/state", "GET")):
+        for path, method in (("/v1/completions", "POST"), ("/v1/models", "GET"), ("/router/state", "GET"),
+                             ("/reset_prefix_cache", "POST"), ("/v1/pins", "GET")):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
                 r = httpx.request(method, f"{front.url}{path}", json=body if method == "POST" else None,
                                   headers=headers, timeout=60)
