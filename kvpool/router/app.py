@@ -869,7 +869,13 @@ async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[
                             kept = (cursor.follow(p) for p in payloads)
                             data = b"".join(b"data: " + k + b"\n\n" for k in kept if k is not None)
                         elif cursor is not None:
-                            for p in payloads:
+                            for i, p in enumerate(payloads):
+                                failed = _replica_failure(p)
+                                if failed is not None:
+                                    # The replica could not finish (its engine failed a step, or died): what
+                                    # came before goes to the client, the rest from another replica.
+                                    yield b"".join(b"data: " + q + b"\n\n" for q in payloads[:i] if q)
+                                    raise _Down(f"replica {up.name} failed: {failed}")
                                 cursor.sent(p)
                     if data:
                         yield data
@@ -907,6 +913,18 @@ async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[
     finally:
         if current is not None:
             await current.close(router)
+
+
+def _replica_failure(payload: bytes) -> str | None:
+    """The message of an in-band 503 error event (a kvpool replica's engine failed the request's step, or
+    stopped), None for any other event."""
+    if b'"error"' not in payload[:32]:
+        return None
+    try:
+        err = json.loads(payload)["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return str(err.get("message")) if isinstance(err, dict) and err.get("code") == 503 else None
 
 
 def _error_event(message: str) -> bytes:

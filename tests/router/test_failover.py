@@ -153,6 +153,39 @@ def test_a_stream_whose_replica_freezes_mid_way_is_finished_by_another(
     assert front.router.replicas[other.url].load.in_flight == 0
 
 
+def test_a_stream_whose_replica_fails_a_step_is_finished_by_another(
+        pair: tuple[RouterHandle, list[ServerHandle]]) -> None:
+    """A kvpool replica whose engine fails a step sends the requests in it an error event (503) and recovers:
+    a greedy stream is then finished by the other replica, the error never reaching the client."""
+    front, (failing, other) = pair
+    wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))
+    body = {**COMPLETION, "max_tokens": 16, "ignore_eos": True, "stream": True}
+    taken_up = metric(front.url, "kvpool_router:streams_taken_up_total", replica=failing.url)
+    llm = failing.engine.engine
+    step, steps = llm.step, []
+
+    def fourth_step_fails() -> Any:
+        steps.append(1)
+        if len(steps) == 4:
+            raise RuntimeError("boom")
+        return step()
+
+    llm.step = fourth_step_fails
+    front.router._rr = -1
+    try:
+        with httpx.stream("POST", f"{front.url}/v1/completions", json=body, timeout=20) as r:
+            raw = b"".join(r.iter_raw())
+        assert r.headers["x-kvpool-replica"] == failing.url
+    finally:
+        del llm.step
+    events = stream_events(raw)
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), raw
+    direct = stream_events(httpx.post(f"{other.url}/v1/completions", json=body, timeout=20).content)
+    assert stream_text(events) == stream_text(direct)
+    assert metric(front.url, "kvpool_router:streams_taken_up_total", replica=failing.url) == taken_up + 1
+    assert failing.engine.is_alive  # (it recovered; the router did not need to mark it down)
+
+
 def test_a_sampled_stream_on_a_replica_that_freezes_ends_with_an_error(
         pair: tuple[RouterHandle, list[ServerHandle]]) -> None:
     """No seed: no other replica would repeat the text, so the client gets an error event once the frozen
