@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 import xxhash
 from fastapi import FastAPI, Request
@@ -705,9 +706,9 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         if isinstance(got, _Upstream):
             # A stream another replica would repeat is finished there if this one fails mid-way.
             again = take_up if got.sse and resumable(body) else None
-            return StreamingResponse(_relay(got, router, again), status_code=got.resp.status_code,
-                                     media_type=got.resp.headers.get("content-type"),
-                                     headers={"Cache-Control": "no-cache", "x-kvpool-replica": got.name})
+            return _RelayResponse(got, router, _relay(got, router, again), status_code=got.resp.status_code,
+                                  media_type=got.resp.headers.get("content-type"),
+                                  headers={"Cache-Control": "no-cache", "x-kvpool-replica": got.name})
         if got is not None:
             return got
         router.metrics.failed.inc()
@@ -809,6 +810,7 @@ class _Upstream:
     head: bytes
     sse: bool
     last_bytes_at: float = field(default_factory=time.monotonic)
+    relayed: bool = False  # `_relay` has begun (and so closes it)
 
     async def next(self, router: Router) -> bytes | None:
         """The next bytes (None at the end); _Down once the replica has been marked down and this stream has
@@ -842,6 +844,24 @@ class _Down(Exception):
     pass
 
 
+class _RelayResponse(StreamingResponse):
+    """The relayed stream's response. A client that leaves between the headers and the body has the response
+    cancelled before `_relay` begins, whose clean-up then never runs: the replica's answer is closed here
+    instead (it aborts the request), and the router stops counting it in flight."""
+
+    def __init__(self, up: _Upstream, router: Router, body: AsyncIterator[bytes], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._up, self._router = up, router
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._up.relayed:
+                with anyio.CancelScope(shield=True):
+                    await self._up.close(self._router)
+
+
 async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[_Upstream | None]] | None
                  ) -> AsyncIterator[bytes]:
     """The stream to the client, whole events at a time. When the replica fails mid-stream (the connection
@@ -849,6 +869,7 @@ async def _relay(up: _Upstream, router: Router, take_up: Callable[[], Awaitable[
     request another replica answers with the same text: `kvpool.router.resume`) has another replica finish
     the stream, and otherwise, or if none can, the client's parser sees a clean error event, then the end.
     A stream whose end the client already has is not taken up."""
+    up.relayed = True
     cursor = StreamText() if take_up is not None else None
     following = False  # relaying a replacement, through `cursor.follow`
     current: _Upstream | None = up  # (None once closed)

@@ -146,3 +146,39 @@ def test_a_replacement_ending_short_is_not_complete() -> None:
     st.restart()
     assert st.follow(completion(" Once")) is None and not st.complete()
     assert st.follow(completion(" upon a")) is not None and st.complete()
+
+
+def test_a_client_gone_before_the_body_still_closes_the_replicas_answer() -> None:
+    """Starlette cancels a streamed response whose client leaves before the body starts; the relay's own
+    clean-up never runs then, so the response closes the replica's answer itself, and the replica is no
+    longer counted in flight."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvpool.router.app import _relay, _RelayResponse, _Upstream
+
+    events: list[str] = []
+
+    class Answer:  # the replica's streamed answer (httpx.Response's part the relay uses)
+        async def aclose(self) -> None:
+            events.append("closed")
+
+    async def chunks() -> Any:
+        yield b"data: {}\n\n"
+
+    async def run() -> None:
+        router = SimpleNamespace(done=lambda name: events.append(f"done {name}"), replicas={})
+        up = _Upstream("http://r", 0, Answer(), chunks(), b"", True)  # type: ignore[arg-type]
+        response = _RelayResponse(up, router, _relay(up, router, None))  # type: ignore[arg-type]
+
+        async def receive() -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            await asyncio.sleep(0.5)  # the headers take a while: the disconnect is seen first
+
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        assert not up.relayed
+
+    asyncio.run(run())
+    assert events == ["closed", "done http://r"]
