@@ -298,11 +298,11 @@ class Router:
                         self._check(client, rep)
                     except Exception:  # one replica's odd answer must not end the checks of all of them
                         log.exception("router: health check of replica %s failed; counted as missed", rep.name)
-                        with self._lock:
-                            rep.missed_checks += 1
-                            if rep.missed_checks >= self.down_after_missed_checks and rep.healthy:
-                                rep.healthy = False
-                                rep.downs += 1
+                        if self._missed(rep):
+                            with self._lock:
+                                if rep.healthy:
+                                    rep.healthy = False
+                                    rep.downs += 1
                         self.metrics.healthy.labels(rep.name).set(1 if rep.healthy else 0)
                 self._stop.wait(self.health_interval_s)
 
@@ -316,8 +316,7 @@ class Router:
             # A replica busy with a long prompt can answer late: only a run of missed checks marks it
             # down (one miss made replicas on a loaded machine flap, and routing around a replica that
             # holds a conversation's blocks costs that conversation its hits).
-            rep.missed_checks += 1
-            if rep.missed_checks < self.down_after_missed_checks:
+            if not self._missed(rep):
                 return
             ok, text, answered = False, "", False
         except httpx.HTTPError:  # refused, reset: the process is gone
@@ -353,6 +352,12 @@ class Router:
         m.waiting.labels(rep.name).set(rep.load.waiting)
         m.kv_usage.labels(rep.name).set(rep.load.kv_usage)
         m.indexed.labels(rep.name).set(self.index.num_blocks(rep.name))
+
+    def _missed(self, rep: Replica) -> bool:
+        """Count a missed health check; True once enough in a row say the replica is down."""
+        with self._lock:
+            rep.missed_checks += 1
+            return rep.missed_checks >= self.down_after_missed_checks
 
     def mark_down(self, name: str) -> None:
         with self._lock:
@@ -394,10 +399,9 @@ class Router:
         return list(CacheRequest("route", tokens, hasher=self.hasher, cache_salt=cache_salt,
                                  lora_id=model if lora is not None else None, lora_content=lora).block_hashes)
 
-    def pick(self, key: RouteKey | list[bytes], exclude: set[str]) -> tuple[str, int] | None:
+    def pick(self, key: RouteKey, exclude: set[str]) -> tuple[str, int] | None:
         """The replica for a request with these block hashes (and its matched blocks), counting it in
         flight there; None when no healthy replica is left."""
-        key = key if isinstance(key, RouteKey) else RouteKey(key)
         hashes = key.hashes
         blocks = max(len(hashes), len(key.sticky or ()))  # the prompt's full blocks
         now = time.monotonic()
@@ -461,16 +465,18 @@ class Router:
         """What the request is routed by (tokenized as a replica would, hashed as a replica hashes)."""
         with self._tok_lock:
             tokens, salt, images, before_images = self._tokens_of(path, body)
+        model = body.get("model")
         try:
-            hashes = self.block_hashes(tokens, salt, body.get("model"))
+            if images is None:
+                return RouteKey(self.block_hashes(tokens, salt, model))
+            # Past the first picture the replicas' tokens (and hashes) are not these: matched against their
+            # events, they would credit a replica holding the same words without the picture. So the events
+            # are matched on the blocks before it (a chain: the prompt's own first hashes).
+            assert tokens is not None
+            return RouteKey(self.block_hashes(tokens[:before_images], salt, model),
+                            self.block_hashes(tokens, f"{salt or ''}|images:{images}", model))
         except ValueError:  # token ids no tokenizer makes (a replica answers with the 400 that says why)
             return RouteKey([])
-        if images is None:
-            return RouteKey(hashes)
-        # Past the first picture the replicas' tokens (and hashes) are not these: matched against their
-        # events, these would credit a replica holding the same words without the picture.
-        return RouteKey(hashes[:before_images // self.hasher.block_size],
-                        self.block_hashes(tokens, f"{salt or ''}|images:{images}", body.get("model")))
 
     def _tokens_of(self, path: str, body: dict[str, Any]
                    ) -> tuple[list[int] | None, str | None, str | None, int]:

@@ -28,7 +28,7 @@ from replicas import free_port, start_front, start_replica, wait_until
 from server_helpers import leave_early, make_engine, metric
 
 from kvpool.router import admin
-from kvpool.router.app import ReplicaSpec, Router, RouterHandle, start_router
+from kvpool.router.app import ReplicaSpec, RouteKey, Router, RouterHandle, start_router
 from kvpool.server.serve import ServerHandle, start_server
 
 SYSTEM = "You are a careful assistant. " * 12  # > 3 blocks of 16 tokens
@@ -182,7 +182,7 @@ def test_late_router_replays_what_replicas_cached(chat_llama_dir: Path, chat_tok
 def test_round_robin_policy_alternates(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
     specs = [ReplicaSpec("http://127.0.0.1:9"), ReplicaSpec("http://127.0.0.1:10")]
     r = Router(specs, tokenizer=chat_tokenizer, policy="round-robin")
-    picks = [r.pick([b"x"], set()) for _ in range(4)]
+    picks = [r.pick(RouteKey([b"x"]), set()) for _ in range(4)]
     assert Counter(p[0] for p in picks if p) == Counter({specs[0].url: 2, specs[1].url: 2})
 
 
