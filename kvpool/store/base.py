@@ -125,6 +125,11 @@ def decode_value(fp: Fingerprint, block_hash: bytes, value: bytes | None) -> byt
     return value[_HEADER.size + hlen:body_end]
 
 
+def moving_average(old: float | None, new: float, weight: float) -> float:
+    """An exponentially weighted moving average: `new` alone when there is none yet."""
+    return float(new) if old is None else old + weight * (new - old)
+
+
 @dataclass
 class StoreStats:
     """Counters of one store; `latency_*` over backend calls (one call = one round trip)."""
@@ -147,7 +152,7 @@ class StoreStats:
     # Moving averages over the reads that found something (for the fetch-or-recompute estimate): a read of
     # misses moves few bytes in one round trip and says little of what reading blocks costs.
     _fetch_s: float | None = field(default=None, repr=False, compare=False)
-    _fetch_bytes: float = field(default=0.0, repr=False, compare=False)
+    _fetch_bytes: float | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     FETCH_EWMA = 0.3  # weight of the latest read (one slow read is forgotten within ~a dozen)
@@ -168,11 +173,8 @@ class StoreStats:
         if nbytes <= 0:
             return
         with self._lock:
-            if self._fetch_s is None:
-                self._fetch_s, self._fetch_bytes = seconds, float(nbytes)
-            else:
-                self._fetch_s += self.FETCH_EWMA * (seconds - self._fetch_s)
-                self._fetch_bytes += self.FETCH_EWMA * (nbytes - self._fetch_bytes)
+            self._fetch_s = moving_average(self._fetch_s, seconds, self.FETCH_EWMA)
+            self._fetch_bytes = moving_average(self._fetch_bytes, nbytes, self.FETCH_EWMA)
 
     def estimate_fetch_s(self, nbytes: int, round_trips: int = 1) -> float | None:
         """Expected seconds to read `nbytes` of values in `round_trips` calls, from recent reads that found
@@ -180,9 +182,9 @@ class StoreStats:
         only when the store is faster: a store slower than recomputing must not be waited on (LMCache issue
         914: a second instance reading from Redis took 20 s where recomputing took 8)."""
         with self._lock:
-            if self._fetch_s is None:
-                return None
             per_call, mean_bytes = self._fetch_s, self._fetch_bytes
+        if per_call is None or mean_bytes is None:
+            return None
         # A read costs at least one mean round trip; beyond a mean-sized read, time grows with the bytes.
         return per_call * (max(1.0, nbytes / mean_bytes) + round_trips - 1)
 

@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.store.base import moving_average
 from kvpool.store.blocks import Caches, gather, scatter
 from kvpool.store.worker import StoreWorker
 
@@ -139,9 +140,8 @@ class StoreTier:
         read must beat to be waited on (a moving average, so one slow step does not decide it)."""
         if num_blocks <= 0 or seconds <= 0:
             return
-        per_block = seconds / num_blocks
-        old = self.recompute_s_per_block
-        self.recompute_s_per_block = per_block if old is None else old + self.COMPUTE_EWMA * (per_block - old)
+        self.recompute_s_per_block = moving_average(self.recompute_s_per_block, seconds / num_blocks,
+                                                    self.COMPUTE_EWMA)
 
     def _wait(self, request_id: str, keys: list[bytes]) -> bool:
         """The request waits for `keys` to land, or for its deadline."""
