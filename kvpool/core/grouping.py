@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvpool.core.kv_cache_spec import KVCacheSpec
+from kvpool.core.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,10 @@ def group_layers(layer_specs: Sequence[KVCacheSpec]) -> list[KVCacheGroup]:
     groups = [KVCacheGroup(spec, tuple(layers[k:k + size]))
               for spec, layers in by_spec.items() for k in range(0, len(layers), size)]
     groups.sort(key=lambda g: g.layers[0])
+    if len(groups) == 1 and isinstance(groups[0].spec, SlidingWindowSpec):
+        # Alone, no other group cuts its prefix hits short: its admission bound is one window smaller
+        # (see SlidingWindowSpec.only_group), which is room for a longer request or more pinned blocks.
+        groups[0] = KVCacheGroup(replace(groups[0].spec, only_group=True), groups[0].layers)
     return groups
 
 

@@ -8,7 +8,7 @@ layer's shape so that the pool can be sized in bytes and pages of different type
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1, "int8": 1}
 
@@ -55,9 +55,17 @@ class FullAttentionSpec(KVCacheSpec):
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
-    """Each token attends to the `sliding_window` most recent tokens (itself included)."""
+    """Each token attends to the `sliding_window` most recent tokens (itself included).
+
+    `only_group`: this is the model's only KV cache group (`kvpool.core.grouping.group_layers` says so).
+    No other group can then cut its prefix hits short, so it never holds a window before a shared prefix's
+    end apart from the one before its hit point, and `max_blocks_held` counts one window less. It is
+    about the allocator, not the KV bytes: it takes no part in equality, hashing or repr (a store's
+    fingerprint). False, the default, is always safe.
+    """
 
     sliding_window: int = 4096
+    only_group: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,10 +73,27 @@ class SlidingWindowSpec(KVCacheSpec):
             raise ValueError(f"sliding_window: must be an int >= 1, got {self.sliding_window!r}")
 
     def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
-        # The window before a chunk's first token, the chunk itself, one block of misalignment, and the
-        # windows held for later hits (before the shared prefix's end and the prompt's end).
-        bound = 3 * self.window_blocks + 1 + -(-chunk_tokens // self.block_size)
-        return min(-(-num_tokens // self.block_size), bound)
+        # What SlidingWindowManager holds for one request at most, with W the window, bs the block size,
+        # w = window_blocks and k = chunk_tokens:
+        # - the blocks a step reads or fills: after c computed tokens, a chunk of up to k tokens sees
+        #   blocks (c - W + 1) // bs to (c + k - 1) // bs, i.e. ceil((r + W - 1 + k) / bs) blocks with
+        #   r = (c - W + 1) % bs; at most 1 + ceil((W + k - 2) / bs) (r = bs - 1), which is never more
+        #   than w + 1 + ceil(k / bs);
+        # - until it is freed, the window before each anchor (SlidingWindowManager.start_request): the
+        #   hit point (w blocks), the end of the prefix some group had cached (w more when another group
+        #   cut the hit short, so never for the only group), and the prompt's last two boundaries
+        #   P // bs and (P - 1) // bs (w + 1 blocks when P is a multiple of bs).
+        # Each term is reached, all at once when the anchors are a window apart and the request recomputes
+        # past its prompt's end after a preemption (tests/core/test_sliding_bound.py builds that case).
+        # Every held block lies in the request's table, hence the cap.
+        bs, w = self.block_size, self.window_blocks
+        if w == 0:
+            # A window of one token: the hit lookup never completes a window of no blocks, so a hit is the
+            # whole cached run from block 0, held until the request's next step releases it.
+            return -(-num_tokens // bs)
+        current = 1 + -(-(self.sliding_window + chunk_tokens - 2) // bs)
+        anchors = (2 if self.only_group else 3) * w + 1
+        return min(-(-num_tokens // bs), anchors + current)
 
     @property
     def window_blocks(self) -> int:

@@ -299,6 +299,21 @@ class SlidingWindowManager(_AnchoredManager):
                 return [null] * i + run[::-1]
         return run[::-1]  # a cached run reaching back to the first block (shorter than a window)
 
+    def start_request(self, request_id: str, num_hit_blocks: int, num_prompt_tokens: int,
+                      shared_prefix_blocks: int = 0) -> None:
+        # The window before the hit point stays held even when another group cut the hit short of the
+        # shared prefix (num_hit_blocks < shared_prefix_blocks), so that one request holds up to four
+        # windows (hit point, shared prefix, prompt's end, the current one). That window is still of use:
+        # an earlier request kept it as an anchor of its own (a repeat of its prompt hits there again),
+        # and this hit shows it is in use. Released as it slides out, it would go back block by block
+        # and be evicted piecemeal while the request runs (one missing block loses every hit at that
+        # point). So SlidingWindowSpec.max_blocks_held counts it, rather than this request dropping it.
+        if self.spec.only_group:
+            # No other group can cut a lone group's hit (the coordinator passes 0): the bound, one
+            # window smaller for such a spec, relies on it.
+            shared_prefix_blocks = min(shared_prefix_blocks, num_hit_blocks)
+        super().start_request(request_id, num_hit_blocks, num_prompt_tokens, shared_prefix_blocks)
+
     def keeps(self, index: int, boundaries: Sequence[int]) -> bool:
         need = self.spec.window_blocks
         return any(b - need <= index < b for b in boundaries)

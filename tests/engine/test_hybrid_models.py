@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import TINY_VOCAB, hf_greedy, make_tiny_model
 
+from kvpool.core.kv_cache_spec import SlidingWindowSpec
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 
@@ -96,3 +97,59 @@ def test_sliding_groups_hold_only_the_window(gemma3_dir: Path) -> None:
         assert t[:18] == [0] * 18 and 0 not in t[18:] and len(t) == 26
     used = eng.kv.block_pool.num_usable_blocks - eng.kv.get_num_free_blocks()
     assert used == 26 + 5 * 8
+
+
+def test_a_request_of_max_model_len_fits_alone_after_a_cut_hit(gemma3_dir: Path) -> None:
+    # The engine takes requests up to max_model_len on the promise that each fits the pool alone (it can
+    # always finish once the others are preempted). Here the pool is the smallest that admits 120 tokens,
+    # and the request's hit is cut short: the full group has 15 blocks of its prefix cached, the sliding
+    # groups only the window before block 7 (another request's prompt end). Each sliding group then holds
+    # four windows at once (before the hit, the shared prefix's end, the prompt's end, and the current
+    # one); counted as three, the request ran out of blocks alone and preempted itself.
+    chunk = 4
+    roomy = LLM(str(gemma3_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=400)
+    specs = roomy.engine.kv.specs
+    num_blocks = 1 + sum(s.max_blocks_held(120, chunk) for s in specs)
+    llm = LLM(str(gemma3_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=num_blocks,
+              max_num_batched_tokens=chunk)
+    eng = llm.engine
+    assert 120 <= eng.max_model_len < 124
+    base = [(5 * i + 1) % TINY_VOCAB for i in range(100)]
+    filler = [(11 * i + 7) % TINY_VOCAB for i in range(140)]
+    greedy = SamplingParams.greedy
+    llm.generate([base[:29]], greedy(1), use_tqdm=False)  # the sliding groups keep the window before block 7
+    llm.generate([base], greedy(1), use_tqdm=False)  # the full group caches 25 blocks
+    llm.generate([filler[:40]], greedy(1), use_tqdm=False)  # evicts the sliding blocks no anchor kept
+    prompt = base[:60] + filler[100:132]
+    n_out = eng.max_model_len - len(prompt)
+    peak = 0
+    schedule = eng.scheduler.schedule
+
+    def watched() -> object:
+        nonlocal peak
+        out = schedule()
+        for r in eng.scheduler.running:
+            for m in eng.kv.managers:
+                held = sum(1 for b in m.req_to_blocks.get(r.request_id, ()) if not b.is_null)
+                assert held <= m.spec.max_blocks_held(eng.max_model_len, chunk)
+                if isinstance(m.spec, SlidingWindowSpec):
+                    peak = max(peak, held)
+        return out
+
+    eng.scheduler.schedule = watched  # type: ignore[method-assign]
+    before = eng.scheduler.stats.num_preemptions
+    out = llm.generate([prompt], greedy(n_out), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 7 * 4  # the hit was cut at the sliding groups' window
+    assert eng.scheduler.stats.num_preemptions == before
+    assert peak > 3 * 6 + 1 + 1, peak  # more than the three windows (and a block) counted before
+    assert out.token_ids == hf_greedy(gemma3_dir, [prompt], n_out)[0]
+    eng.kv.check_integrity()
+
+
+def test_a_model_of_sliding_layers_only_counts_no_shared_prefix_window(mistral_dir: Path) -> None:
+    # One group: no other group cuts its hits, so its bound is one window (6 blocks) under a hybrid's.
+    llm = LLM(str(mistral_dir), dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=200,
+              max_num_batched_tokens=4)
+    (spec,) = llm.engine.kv.specs
+    assert isinstance(spec, SlidingWindowSpec) and spec.only_group
+    assert spec.max_blocks_held(400, 4) == 2 * 6 + 1 + 8
