@@ -34,7 +34,7 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,54 @@ def _pattern_value(patterns: dict[str, Any], module_key: str, default: Any) -> A
     return default
 
 
+# The config's numbers are checked before any is used: a scaling is alpha / r, and a null, a string or
+# a zero there would otherwise surface as a TypeError or ZeroDivisionError (a server's 500, a traceback
+# at `serve --lora-modules`) instead of a ValueError naming the field.
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_rank(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _checked_config(cfg: dict[str, Any], where: str
+                    ) -> tuple[int | None, float, bool, dict[str, int], dict[str, float]]:
+    """The config's r (None when absent: the tensors' rank), lora_alpha, use_rslora, rank_pattern and
+    alpha_pattern, with their types and ranges checked as PEFT's LoraConfig declares them."""
+    r = cfg.get("r")
+    if "r" in cfg and not _is_rank(r):
+        raise ValueError(f"{where}: r must be an int >= 1, got {r!r}")
+    alpha = cfg.get("lora_alpha", 8)  # PEFT's default
+    if not _is_number(alpha):
+        raise ValueError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
+    rslora = cfg.get("use_rslora") or False  # (null: PEFT reads it as false too)
+    if not isinstance(rslora, bool):  # a string "false" would be true: a 1/sqrt(r) scaling not asked for
+        raise ValueError(f"{where}: use_rslora must be true or false, got {rslora!r}")
+    rank_pattern = _checked_pattern(cfg, "rank_pattern", _is_rank, "an int >= 1", where)
+    alpha_pattern = _checked_pattern(cfg, "alpha_pattern", _is_number, "a finite number", where)
+    return r, alpha, rslora, rank_pattern, alpha_pattern
+
+
+def _checked_pattern(cfg: dict[str, Any], name: str, valid: Callable[[Any], bool], kind: str,
+                     where: str) -> dict[str, Any]:
+    """A rank_pattern or alpha_pattern: module name patterns (regular expressions) to values."""
+    pattern = cfg.get(name) or {}
+    if not isinstance(pattern, dict):
+        raise ValueError(f"{where}: {name} must be a JSON object (module name pattern -> value), "
+                         f"got {type(pattern).__name__} {pattern!r}")
+    for key, value in pattern.items():
+        try:
+            re.compile(rf"(.*\.)?({key})$")  # as _pattern_value matches it
+        except re.error as e:
+            raise ValueError(f"{where}: {name} key {key!r} is not a valid regular expression ({e})") from None
+        if not valid(value):
+            raise ValueError(f"{where}: {name}[{key!r}] must be {kind}, got {value!r}")
+    return pattern
+
+
 def load_adapter(name: str, path: str | Path, arch: Any, *, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> LoRAAdapter:
     """Read and check a PEFT LoRA folder against the model; ValueError naming what is wrong."""
@@ -124,9 +172,7 @@ def load_adapter(name: str, path: str | Path, arch: Any, *, max_rank: int, dtype
             raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias={cfg['bias']!r} is not supported (only 'none')")
-    alpha = cfg.get("lora_alpha", 8)
-    rslora = bool(cfg.get("use_rslora", False))
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    r_default, alpha, rslora, rank_pattern, alpha_pattern = _checked_config(cfg, where)
     shapes = projection_shapes(arch)
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -157,11 +203,14 @@ def load_adapter(name: str, path: str | Path, arch: Any, *, max_rank: int, dtype
             raise ValueError(f"{where}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)}; this model needs ({r}, {shape.in_features}) and ({hi - lo}, {r}) "
                              f"(an adapter for another base model?)")
+        if r < 1:
+            raise ValueError(f"{where}: layer {layer} {module} has rank {r} (lora_A {tuple(a.shape)}); a rank "
+                             "must be >= 1")
         if r > max_rank:
             raise ValueError(f"{where}: rank {r} (layer {layer} {module}) is over max_lora_rank={max_rank}")
         top = max(top, r)
         key = f"model.layers.{layer}.{_PARENT[module]}.{module}"
-        r_cfg = _pattern_value(rank_pattern, key, cfg.get("r", r))
+        r_cfg = _pattern_value(rank_pattern, key, r if r_default is None else r_default)
         a_cfg = _pattern_value(alpha_pattern, key, alpha)
         if r_cfg != r:
             raise ValueError(f"{where}: layer {layer} {module} has rank {r}, its config says {r_cfg}")

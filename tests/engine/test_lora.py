@@ -192,6 +192,51 @@ def test_bad_adapters_are_refused(tiny_llama_dir: Path, adapters: dict[str, Path
         llm.generate([[1, 2], [3, 4]], sp, use_tqdm=False, lora_request=[None])
 
 
+def test_malformed_adapter_configs_are_refused(tiny_llama_dir: Path, adapters: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    """Config values of the wrong type or range: a ValueError naming the field (a server's 400), never the
+    TypeError or ZeroDivisionError of the scaling alpha / r computed from them."""
+    from safetensors.torch import load_file, save_file
+
+    llm = tiny_llm(tiny_llama_dir)
+    sp = SamplingParams.greedy(2)
+    ids = iter(range(1, 100))
+
+    def variant(name: str, rank_zero: bool = False, **cfg_edit: object) -> LoRARequest:
+        d = tmp_path / name
+        shutil.copytree(adapters["attn"], d)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg.update(cfg_edit)
+        if rank_zero:  # the tensors as a rank-0 adapter would have them; the config says nothing of r
+            del cfg["r"]
+            st = d / "adapter_model.safetensors"
+            save_file({k: (v[:0] if "lora_A" in k else v[:, :0]).contiguous() for k, v in load_file(st).items()},
+                      str(st))
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        return LoRARequest(name, next(ids), str(d))
+
+    cases = [
+        (variant("alpha_null", lora_alpha=None), "lora_alpha must be a finite number, got None"),
+        (variant("alpha_str", lora_alpha="16"), "lora_alpha must be a finite number, got '16'"),
+        (variant("alpha_bool", lora_alpha=True), "lora_alpha must be a finite number, got True"),
+        (variant("r_zero", r=0), "r must be an int >= 1, got 0"),
+        (variant("r_str", r="8"), "r must be an int >= 1, got '8'"),
+        (variant("rank_zero", rank_zero=True), "has rank 0"),
+        (variant("rslora_str", use_rslora="false"), "use_rslora must be true or false, got 'false'"),
+        (variant("rp_list", rank_pattern=["q_proj"]), "rank_pattern must be a JSON object"),
+        (variant("rp_zero", rank_pattern={"q_proj": 0}), "rank_pattern['q_proj'] must be an int >= 1, got 0"),
+        (variant("ap_str", alpha_pattern={"q_proj": "x"}), "alpha_pattern['q_proj'] must be a finite number"),
+        (variant("ap_regex", alpha_pattern={"q_proj(": 2}), "alpha_pattern key 'q_proj(' is not a valid regular"),
+    ]
+    for lora, message in cases:
+        with pytest.raises(ValueError, match="lora_request") as e:
+            llm.generate([1, 2, 3], sp, use_tqdm=False, lora_request=lora)
+        assert f"adapter {lora.lora_name!r}" in str(e.value) and message in str(e.value), str(e.value)
+    # Nothing was left behind, and a sound adapter still serves.
+    assert llm.engine.kv.usage == 0 and not llm.engine.scheduler.has_unfinished()
+    llm.generate([1, 2, 3], sp, use_tqdm=False, lora_request=LoRARequest("attn", 99, str(adapters["attn"])))
+
+
 def test_lora_needs_enable_lora_and_a_llama(tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=32)
     with pytest.raises(ValueError, match="enable_lora=True"):
