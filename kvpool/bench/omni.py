@@ -11,6 +11,9 @@ and CPU time of the calling thread: run with OMP_NUM_THREADS=1 for the CPU time 
 work), stage-1 prompt tokens computed, hit rate, encoder runs; then the stage-1 prefill speedup (CPU
 time) against the ideal 1/(1 - hit rate), and whether the talker got the same inputs and emitted the
 same codes. With --json the last line is one JSON object.
+
+A workload with no requests (`--groups 0`: images only; `--images 0`: text only) is left out of the run and
+the report; the flags are checked before any model loads.
 """
 
 from __future__ import annotations
@@ -25,19 +28,38 @@ import torch
 
 from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import generated_shared_prefix
+from kvpool.server.options import _positive
+
+PATCH = 4  # the vision tower's patch side (the image side must be a multiple of it)
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def _image_size(text: str) -> int:
+    n = _positive(text)
+    if n % PATCH:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {PATCH} (the tower's patch side), got {n}")
+    return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # (checked as they are parsed: a bad value would otherwise fail only after both pipelines are built)
     p.add_argument("--model", default=None, help="thinker: local Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--questions", type=int, default=4, help="questions per system prompt, and per image")
-    p.add_argument("--system-len", type=int, default=512)
-    p.add_argument("--question-len", type=int, default=32)
-    p.add_argument("--images", type=int, default=3)
-    p.add_argument("--image-size", type=int, default=32, help="image side; patches of 4: (side/4)^2 image tokens")
-    p.add_argument("--thinker-tokens", type=int, default=8)
-    p.add_argument("--talker-tokens", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--groups", type=_count, default=3, help="system prompts (0: no shared-prefix workload)")
+    p.add_argument("--questions", type=_positive, default=4, help="questions per system prompt, and per image")
+    p.add_argument("--system-len", type=_positive, default=512)
+    p.add_argument("--question-len", type=_positive, default=32)
+    p.add_argument("--images", type=_count, default=3, help="images (0: no image workload)")
+    p.add_argument("--image-size", type=_image_size, default=32,
+                   help=f"image side; patches of {PATCH}: (side/{PATCH})^2 image tokens")
+    p.add_argument("--thinker-tokens", type=_positive, default=8)
+    p.add_argument("--talker-tokens", type=_positive, default=8)
+    p.add_argument("--block-size", type=_positive, default=16)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="both stages (batch-invariant kernels exist for both; auto: bf16 where native)")
     p.add_argument("--seed", type=int, default=0)
@@ -57,7 +79,8 @@ def _workloads(a: argparse.Namespace, n_img_tokens: int) -> dict[str, list[tuple
         for _ in range(a.questions):
             q = [rng.randrange(1000, 40000) for _ in range(a.question_len)]
             images.append(([0] * n_img_tokens + q, [ImageInput(0, pixels)]))
-    return {"shared_prefix": [(p, []) for p in text], "images": images}
+    loads = {"shared_prefix": [(p, []) for p in text], "images": images}
+    return {name: reqs for name, reqs in loads.items() if reqs}  # (an empty one has nothing to measure)
 
 
 def _pipeline(a: argparse.Namespace, caching: bool) -> Any:
@@ -69,7 +92,7 @@ def _pipeline(a: argparse.Namespace, caching: bool) -> Any:
                                                   skip_tokenizer_init=True,
                                                   encoder_cache_size="256MiB" if caching else "1b"),
                               talker_engine=dict(block_size=a.block_size, kv_cache_memory="64MiB"),
-                              vision=dict(image_size=a.image_size, patch_size=4), seed=a.seed, dtype=a.dtype)
+                              vision=dict(image_size=a.image_size, patch_size=PATCH), seed=a.seed, dtype=a.dtype)
     thinker = pipe.stages[0].engine
     # Time every thinker step, in wall time and in this thread's CPU time: on a shared machine the
     # CPU time is what the computation cost (other processes' load does not count in it). Requests
@@ -130,6 +153,8 @@ def _identical(on: list[Any], off: list[Any]) -> bool:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    if a.groups == 0 and a.images == 0:
+        raise ValueError("--groups, --images: both 0 leave no workload to run")
     stats, outs = _run(a)
     rows = []
     result: dict[str, Any] = {}
@@ -149,11 +174,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             rows.append([name, mode, 1e3 * s["latency_mean_s"], 1e3 * s["latency_cpu_mean_s"],
                          1e3 * s["prefill_mean_s"], 1e3 * s["prefill_cpu_total_s"] / len(outs[name][mode]),
                          int(s["computed_prompt_tokens"]), s["hit_rate"], int(s["encoder_runs"])])
-    sp = result["shared_prefix"]
-    result.update(hit_rate=sp["hit_rate"], stage1_prefill_speedup=sp["stage1_prefill_speedup"],
-                  ideal_speedup=sp["ideal_speedup"], fraction_of_ideal=sp["fraction_of_ideal"],
+    # The headline numbers are the shared prefix's (the images' when it was left out).
+    head = result["shared_prefix" if "shared_prefix" in result else "images"]
+    result.update(hit_rate=head["hit_rate"], stage1_prefill_speedup=head["stage1_prefill_speedup"],
+                  ideal_speedup=head["ideal_speedup"], fraction_of_ideal=head["fraction_of_ideal"],
                   stage2_identical=all(result[n]["stage2_identical"] for n in stats),
-                  encoder_runs_saved=result["images"]["encoder_runs_saved"])
+                  encoder_runs_saved=result["images"]["encoder_runs_saved"] if "images" in result else 0)
     table = format_table(["workload", "caching", "latency ms", "latency cpu ms", "stage-1 prefill ms",
                           "prefill cpu ms", "prompt tokens computed", "hit rate", "encoder runs"], rows)
     summary = "\n".join(

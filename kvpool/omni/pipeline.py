@@ -11,12 +11,18 @@ the next model's hidden size (a fixed, seeded linear map); the next stage's prom
 placeholder tokens whose embeddings are replaced by the projection (`EmbedsInput`), hashed by content
 so its own prefix cache only hits on identical inputs.
 
+So each later stage's prompt grows with the first stage's prompt and output: the pipeline holds a request
+only if every stage does, and `Pipeline.max_model_len` is the longest first-stage prompt + output that they
+all hold. `Pipeline.generate` refuses a longer request (`check_request`) before any stage runs, rather than
+after the first stage has done its work for a prompt the second cannot take.
+
 The reference pipeline (`reference_pipeline`): the thinker, SmolLM2 by default, writes text; the
 talker, a seeded random-weight decoder (kvpool/omni/talker.py), turns the thinker's states into codes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -115,6 +121,39 @@ class Pipeline:
         self.stages = [Stage(c) for c in stages]
         self.seed = seed
         self.connectors: list[Connector | None] = [None] * (len(stages) - 1)
+        self.max_model_len, self._bound_by = self._longest_request()
+
+    def _longest_request(self) -> tuple[int, str]:
+        """The most tokens (prompt + max_tokens) of a first-stage request that every stage holds, and the stage
+        that bounds it. Stage i+1's prompt is stage i's prompt and output less its last token (never fed back,
+        so it has no outputs to pass on), and it must leave room for stage i+1's own max_tokens: for a first
+        stage's prompt + output of S tokens, stage i's prompt + output is S + extra."""
+        first = self.stages[0].engine.max_model_len
+        limit, bound_by, extra = first, self.configs[0].name, 0
+        for stage, cfg in zip(self.stages[1:], self.configs[1:], strict=True):
+            mt = cfg.sampling.max_tokens
+            # Its prompt S + extra - 1, plus its max_tokens (None: at least one), within its context.
+            fits = stage.engine.max_model_len - extra + 1 - (1 if mt is None else mt)
+            if fits < limit:
+                limit, bound_by = fits, cfg.name
+            if mt is None:
+                break  # it fills its own context whatever S is: later stages' prompts no longer depend on S
+            extra += mt - 1
+        return limit, bound_by
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """ValueError, naming the field as the engine does (`prompt_token_ids`, `max_tokens`), for a first-stage
+        request some stage could not hold (`max_model_len`)."""
+        limit, n = self.max_model_len, num_prompt_tokens
+        first = self.configs[0].name
+        why = "" if self._bound_by == first else (
+            f" (bound by the {self._bound_by} stage, whose prompt grows with the {first}'s prompt and output)")
+        if n >= limit:
+            raise ValueError(f"prompt_token_ids: the prompt has {n} tokens; the pipeline's context holds {limit}, "
+                             f"and one must be left to generate{why}")
+        if max_tokens is not None and max_tokens > limit - n:
+            raise ValueError(f"max_tokens: {max_tokens} new tokens after a {n}-token prompt exceed the pipeline's "
+                             f"context of {limit} tokens (at most {limit - n}){why}")
 
     def _connector(self, i: int, in_dim: int) -> Connector:
         c = self.connectors[i]
@@ -147,9 +186,19 @@ class Pipeline:
                  sampling: Sequence[SamplingParams] | None = None) -> list[OmniOutput]:
         """Each prompt (token ids; images as `ImageInput`s for the first stage) through every stage. `sampling`:
         the first stage's, one per prompt (default: its `StageConfig`'s); later stages always sample as
-        configured."""
+        configured. ValueError before any stage runs for a request some stage could not hold (`check_request`);
+        a first-stage max_tokens of None writes until the pipeline's context is full, not the first stage's."""
         t0 = time.perf_counter()
-        outs = self.stages[0].run(prompts, mm_inputs, sampling)
+        given = sampling or [self.configs[0].sampling] * len(prompts)
+        if len(given) != len(prompts):
+            raise ValueError(f"sampling: {len(given)} sampling params for {len(prompts)} prompts")
+        first: list[SamplingParams] = []
+        for p, sp in zip(prompts, given, strict=True):
+            self.check_request(len(p), sp.max_tokens)
+            if sp.max_tokens is None:  # (the first stage alone would fill its own context, past what later hold)
+                sp = dataclasses.replace(sp, max_tokens=self.max_model_len - len(p))
+            first.append(sp)
+        outs = self.stages[0].run(prompts, mm_inputs, first)
         results = [OmniOutput([o], []) for o in outs]
         for i in range(1, len(self.stages)):
             names = self.configs[i - 1].outputs

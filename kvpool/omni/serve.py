@@ -13,9 +13,15 @@ The response is a chat completion whose message is the thinker's text, with the 
 
 The pipeline runs on one worker thread (`PipelineWorker`): the requests waiting when it is free run together,
 as one batch through `Pipeline.generate`. Not supported, each refused with a 400 naming the field: `stream` (the
-codes come after the whole text), `cache_salt`, and any image when the pipeline has no vision stage. Every
-refusal happens before the request reaches the worker, so none holds a KV block; a request whose client leaves
-before its batch starts is dropped unrun, one already running runs to its end (a batch is not interruptible).
+codes come after the whole text), `cache_salt`, any image when the pipeline has no vision stage, and more images
+than `--max-images-per-request` (counted before any is read; they are decoded and preprocessed one at a time).
+A chat longer than the pipeline holds (`Pipeline.max_model_len`: the thinker's prompt + max_tokens, which the
+talker's prompt grows with; /v1/models reports it) is refused with a 400 naming `messages` or the max-tokens
+field the client sent. Errors name the request's fields as `kvpool serve`'s do (`ChatCompletionRequest.
+param_renames`). Every refusal happens before the request reaches the worker, so none holds a KV block and none
+spoils its batch-mates' run; a request whose client leaves before its batch starts is dropped unrun (the handler
+watches the connection as `kvpool serve`'s does, `until_disconnected`), one already running runs to its end (a
+batch is not interruptible). A request sent while the worker is failing or stopping gets an error, never silence.
 
 Why a command of its own rather than `kvpool omni serve` or `kvpool serve --omni`: `kvpool omni` takes free-text
 prompts as positional arguments (a `serve` subcommand would shadow the prompt "serve"), and `kvpool serve`'s
@@ -44,12 +50,17 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.omni.pipeline import OmniOutput, Pipeline
 from kvpool.runner.multimodal import MMInput
 from kvpool.server.app import APIError, add_error_handlers, check_api_key, read_body, usage_json
-from kvpool.server.media import MediaOptions, decode_images, image_parts
+from kvpool.server.errors import ClientDisconnected, until_disconnected
+from kvpool.server.media import MediaOptions, check_image_count, decode_images, image_parts
 from kvpool.server.protocol import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+class PipelineStopped(RuntimeError):
+    """The worker is not running (failed or stopped): the job was not run, and is answered with a 503."""
 
 
 @dataclass
@@ -68,10 +79,16 @@ class PipelineWorker:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # Held while a job is checked in and put, and while the worker closes (on a failure, or stopping) and
+        # empties the inbox: a job put after that last look would never be answered. Under it, each job is
+        # either refused by `submit` or in the inbox before the close empties it.
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return (self._thread is not None and self._thread.is_alive() and self.error is None
+                and not self._closed)
 
     @property
     def num_waiting(self) -> int:
@@ -85,16 +102,19 @@ class PipelineWorker:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._thread is not None:
-            self._inbox.put(_STOP)
+            with self._lock:  # (no job can follow the stop into the inbox)
+                self._closed = True
+                self._inbox.put(_STOP)
             self._thread.join(timeout)
             self._thread = None
 
     def submit(self, prompt: list[int], mm: list[MMInput], params: SamplingParams
                ) -> concurrent.futures.Future[OmniOutput]:
-        if not self.is_alive:
-            raise RuntimeError("the omni pipeline is not running")
         fut: concurrent.futures.Future[OmniOutput] = concurrent.futures.Future()
-        self._inbox.put(_Job(prompt, mm, params, fut))
+        with self._lock:
+            if not self.is_alive:
+                raise PipelineStopped("the omni pipeline is not running")
+            self._inbox.put(_Job(prompt, mm, params, fut))
         return fut
 
     def _run(self) -> None:
@@ -116,21 +136,33 @@ class PipelineWorker:
                 if jobs:
                     self._generate(jobs)
                 if stop:
+                    self._close()
                     return
         except BaseException as e:  # a bug in a step: fail every request loudly rather than hang them
             log.exception("the omni pipeline failed; it is stopped")
-            self.error = e
-            dead = RuntimeError(f"the omni pipeline stopped: {e!r}")
+            dead = self._close(e)
             for j in jobs:  # the batch it failed in (when running each alone, those not reached yet)
                 if not j.future.done():
                     j.future.set_exception(dead)
+
+    def _close(self, error: BaseException | None = None) -> PipelineStopped:
+        """Refuse new jobs from now on (`error`: the failure that stopped the worker) and fail those still queued:
+        under the lock, so no `submit` that saw the worker alive can put a job after the inbox was emptied.
+        Returns the error the jobs that were never run get."""
+        answer = PipelineStopped("the omni pipeline was stopped" if error is None
+                                 else f"the omni pipeline stopped: {error!r}")
+        with self._lock:
+            self._closed = True
+            if error is not None and self.error is None:
+                self.error = error
             while True:
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if item is not _STOP and item.future.set_running_or_notify_cancel():
-                    item.future.set_exception(dead)
+                    item.future.set_exception(answer)
+        return answer
 
     def _generate(self, jobs: list[_Job]) -> None:
         try:
@@ -145,6 +177,7 @@ class PipelineWorker:
                 self._generate([j])
             return
         except BaseException as e:
+            self._close(e)  # first: once its requests are answered, /health and `submit` see the worker stopped
             for j in jobs:
                 if not j.future.done():
                     j.future.set_exception(e)
@@ -168,12 +201,14 @@ def prepare(pipeline: Pipeline, body: ChatCompletionRequest, media: MediaOptions
     if parts and tower is None:
         raise ValueError(f"{parts[0][0]}: the omni pipeline `{model_name}` has no vision stage and takes no images "
                          f"(it was started with --no-vision)")
+    check_image_count(parts, media.max_images_per_request, "this server (--max-images-per-request)")
     pixels = []
-    for where, img in decode_images(body.messages, media):
-        try:
+    for where, img in decode_images(body.messages, media):  # one at a time: each is preprocessed down to the
+        try:                                                # tower's size before the next is decoded
             pixels.append(tower.preprocess(img))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+        del img
     thinker = pipeline.stages[0].engine
     try:
         ids = thinker.apply_chat_template(body.chat_messages())
@@ -205,7 +240,8 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
         check_api_key(request, api_key)
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": created, "owned_by": "kvpool",
-             "root": str(thinker.model_dir), "parent": None, "max_model_len": thinker.max_model_len,
+             # (the longest chat the whole pipeline holds: the talker's context may bound it, not the thinker's)
+             "root": str(thinker.model_dir), "parent": None, "max_model_len": pipeline.max_model_len,
              "stages": [c.name for c in pipeline.configs], "vision": pipeline.vision_encoder is not None}]})
 
     @app.post("/v1/chat/completions")
@@ -220,21 +256,31 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
                                 "thinker's whole text); send stream=false", "stream")
         if body.cache_salt is not None:
             raise APIError(400, "cache_salt: not supported by the omni server", "cache_salt")
+        rename = body.param_renames()  # (the fields the client sent, as kvpool serve names them)
         try:
             params = body.to_sampling_params()
             if body.max_completion_tokens is None and body.max_tokens is None:
                 params = dataclasses.replace(params, max_tokens=default_max_tokens)  # the server's --thinker-tokens
             prompt, mm = await asyncio.to_thread(prepare, pipeline, body, media, model_name)
+            # Here, not in the worker: refused after the thinker's run, it would waste that run, and in a batch
+            # make the worker rerun every batch-mate alone.
+            pipeline.check_request(len(prompt), params.max_tokens)
         except ValueError as e:
-            raise APIError.from_value_error(e) from None
+            raise APIError.from_value_error(e, rename) from None
         try:
             fut = worker.submit(prompt, mm, params)
-        except RuntimeError as e:
+        except PipelineStopped as e:
             raise APIError(503, str(e)) from None
         try:
-            out = await asyncio.wrap_future(fut)  # cancelled with the handler: a job not yet started is dropped
-        except ValueError as e:  # refused by an engine when added (e.g. a prompt over max_model_len)
-            raise APIError.from_value_error(e) from None
+            # A client gone before its batch starts: the wrapper is cancelled, which cancels the job (the worker
+            # skips it); once running, it runs to its end (a batch is not interruptible) and is dropped here.
+            done, out = await until_disconnected(asyncio.wrap_future(fut), request)
+        except ValueError as e:  # refused by an engine when added (checked above; a batch-mate's refusal reruns)
+            raise APIError.from_value_error(e, rename) from None
+        except PipelineStopped as e:  # queued when the worker failed or stopped: never run
+            raise APIError(503, str(e)) from None
+        if not done or out is None:
+            raise ClientDisconnected
         thinker_out = out.stages[0]
         return JSONResponse({
             "id": f"chatcmpl-omni-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

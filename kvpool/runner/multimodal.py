@@ -133,6 +133,25 @@ class PlacedInput:
     data: torch.Tensor  # pixels or embeddings
 
 
+def load_npy(path: str | Path) -> np.ndarray:
+    """The array in a `.npy` file; ValueError naming `mm_inputs` for anything else. numpy raises its own errors
+    (EOFError for an empty file, ValueError in its own words for a truncated one or a bad header) and would open
+    an `.npz` archive (a handle holding the file open) or unpickle objects: none of that is an image."""
+    name = str(path)
+    if not Path(path).is_file():
+        raise ValueError(f"mm_inputs: image file {name!r} not found")
+    try:
+        with open(path, "rb") as f:  # (closed whatever np.load finds in it)
+            arr = np.load(f, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"mm_inputs: image file {name!r} is not a readable .npy array ({e})") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive (it reads lazily: close its handle on the file too)
+        arr.close()
+        raise ValueError(f"mm_inputs: image file {name!r} is not a readable .npy array (an .npz archive; save "
+                         f"the one array with np.save)")
+    return arr
+
+
 class MultiModalProcessor:
     """Placeholder embeddings: each input replaces the embeddings of its placeholder tokens (the default
     `InputProcessor`)."""
@@ -176,9 +195,7 @@ class MultiModalProcessor:
                     raise ValueError("mm_inputs: this engine has no vision encoder (set vision_encoder)")
                 pixels = x.pixels
                 if isinstance(pixels, str | Path):
-                    if not Path(pixels).is_file():
-                        raise ValueError(f"mm_inputs: image file {str(pixels)!r} not found")
-                    pixels = np.load(pixels)
+                    pixels = load_npy(pixels)
                 data = finite(numeric_tensor(pixels, "image pixels").float(), "image pixels")
                 self.encoder.check(data)  # type: ignore[operator]
                 kind, length = "image", int(self.encoder.num_tokens)  # type: ignore[arg-type]

@@ -339,9 +339,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         lora = check_model(body.model)
         served = lora.lora_name if lora is not None else model_name
         mm: list[MMInput] = []
-        rename = {"prompt_token_ids": "messages", "mm_inputs": "messages"}  # (the engine's names for them)
-        if body.max_completion_tokens is not None:  # the field the client set, in every error about it
-            rename["max_tokens"] = "max_completion_tokens"
+        rename = body.param_renames()
         try:
             params = body.to_sampling_params()
             if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them

@@ -13,8 +13,10 @@ Every refusal is a ValueError whose message starts with the JSON path of the par
 scheme, bad base64, a non-image media type, bytes Pillow cannot read, a format outside `SUPPORTED_FORMATS`,
 an image over `max_image_bytes` (encoded) or `max_image_pixels` (width x height, checked from the header
 before the pixels are decoded, so a small file cannot unpack into gigabytes), more images than the model
-takes, or any image for a model that takes none. All of this happens before the engine sees the request,
-so a refused request never holds a KV block.
+takes or than `max_images_per_request` (counted before any is read), a `file://` path the OS refuses, or any
+image for a model that takes none. All of this happens before the engine sees the request, so a refused
+request never holds a KV block. Images are decoded one at a time (`decode_images` is a generator), so a
+request holds one full-size decoded picture at once, not all of them.
 
 The pixels then go through the model's own image processor (kvpool.runner.image_inputs) and the chat
 template places the model's image token where each image part was. `kvpool omni-serve` (kvpool.omni.serve)
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import io
+import threading
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,15 +47,26 @@ if TYPE_CHECKING:
 # Formats a client may send (what OpenAI's API takes, plus BMP); Pillow reads more, but each decoder is attack
 # surface that vision models' users do not need.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Formats Pillow names apart that are one of the above: "MPO" is a JPEG carrying an MPF segment (what many phone
+# cameras write, for depth or gain maps); Pillow decodes its first picture as the JPEG it is.
+_FORMAT_ALIASES = {"MPO": "JPEG"}
 
 
 @dataclass(frozen=True)
 class MediaOptions:
-    """The server's limits on images (flags of `kvpool serve`)."""
+    """The server's limits on images (flags of `kvpool serve` and `kvpool omni-serve`)."""
 
     allowed_local_media_path: Path | None = None  # file:// URLs only under this directory; None: refused
     max_image_bytes: int = 20 << 20  # an image's encoded size (after base64 decoding)
     max_image_pixels: int = 4096 * 4096  # width x height
+    # Images in one request, counted before any is read: each costs a decode (of up to max_image_pixels), so
+    # without a bound a request under the body limit could carry dozens of small files that decode huge. (kvpool
+    # serve applies it beside its model's own cap.)
+    max_images_per_request: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_images_per_request < 1:
+            raise ValueError(f"--max-images-per-request: must be >= 1, got {self.max_images_per_request}")
 
 
 def image_parts(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
@@ -65,12 +80,18 @@ def image_parts(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
     return out
 
 
+def check_image_count(parts: Sequence[tuple[str, str]], limit: int, taker: str) -> None:
+    """ValueError naming the first part past `limit` (`taker`: who takes at most that many, for the message)."""
+    if len(parts) > limit:
+        raise ValueError(f"{parts[limit][0]}: {taker} takes at most {limit} image(s) per request, got {len(parts)}")
+
+
 def _read_data_url(url: str, where: str, opts: MediaOptions) -> bytes:
     header, comma, data = url[len("data:"):].partition(",")
     if not comma:
         raise ValueError(f"{where}: a data URL needs a ',' before its data")
     media_type, *params = header.split(";")
-    if "base64" not in params:
+    if "base64" not in (p.strip().lower() for p in params):  # (RFC 2397: the token is case-insensitive)
         raise ValueError(f"{where}: only base64 data URLs are supported (data:image/png;base64,...)")
     if media_type and not media_type.lower().startswith("image/"):
         raise ValueError(f"{where}: media type {media_type!r} is not an image type")
@@ -89,20 +110,42 @@ def _read_file_url(url: str, where: str, opts: MediaOptions) -> bytes:
     if opts.allowed_local_media_path is None:
         raise ValueError(f"{where}: file:// URLs are disabled on this server (start it with "
                          f"--allowed-local-media-path DIR to allow files under DIR)")
-    parsed = urllib.parse.urlparse(url)
+    # Parsing and the file system refuse some URLs with errors of their own (a malformed host, a NUL byte, a name
+    # over the OS's length limit, a permission, a file deleted meanwhile): each is the client's URL at fault.
+    try:
+        parsed = urllib.parse.urlparse(url)
+    except ValueError as e:
+        raise _unreadable(url, where, e) from None
     if parsed.netloc not in ("", "localhost"):
         raise ValueError(f"{where}: file:// URLs must name a local file (host {parsed.netloc!r})")
-    path = Path(urllib.request.url2pathname(parsed.path)).resolve()
-    root = opts.allowed_local_media_path.resolve()
+    try:
+        path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+        root = opts.allowed_local_media_path.resolve()
+    except (OSError, ValueError) as e:
+        raise _unreadable(url, where, e) from None
     if not path.is_relative_to(root):
         raise ValueError(f"{where}: {str(path)!r} is outside the allowed local media path {str(root)!r}")
-    if not path.is_file():
-        raise ValueError(f"{where}: no such file {str(path)!r}")
-    size = path.stat().st_size
-    if size > opts.max_image_bytes:
-        raise ValueError(f"{where}: the image is {size} bytes, over the limit of {opts.max_image_bytes} "
-                         f"(--max-image-bytes)")
-    return path.read_bytes()
+    try:
+        if not path.is_file():
+            raise FileNotFoundError(errno.ENOENT, "no such file")
+        size = path.stat().st_size
+        if size > opts.max_image_bytes:
+            raise ValueError(f"{where}: the image is {size} bytes, over the limit of {opts.max_image_bytes} "
+                             f"(--max-image-bytes)")
+        with path.open("rb") as f:  # (no more than the limit allows: the file may have grown since its stat)
+            return f.read(opts.max_image_bytes + 1)
+    except FileNotFoundError:  # (also when deleted between the check and the read)
+        raise ValueError(f"{where}: no such file {str(path)!r}") from None
+    except OSError as e:
+        raise _unreadable(url, where, e) from None
+
+
+def _unreadable(url: str, where: str, e: OSError | ValueError) -> ValueError:
+    """The refusal of a file:// URL that the URL parser or the OS would not take, naming the part. The URL is cut
+    short (its length may be what the OS refused), and an OSError gives its reason without the path again."""
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    shown = url if len(url) <= 120 else f"{url[:100]}...{url[-16:]}"
+    return ValueError(f"{where}: cannot read {shown!r} ({reason})")
 
 
 def read_image_bytes(url: str, where: str, opts: MediaOptions) -> bytes:
@@ -126,10 +169,27 @@ def read_image_bytes(url: str, where: str, opts: MediaOptions) -> bytes:
     return raw
 
 
+_pillow_limit = threading.Lock()
+
+
+def _allow_pixels(limit: int) -> None:
+    """Raise Pillow's own decompression-bomb limit to `limit` where it is lower. Pillow refuses in `Image.open` an
+    image over twice its limit (about 179 MP), before our check can run: with --max-image-pixels above that, an
+    image within the server's limit was refused, and the refusal cited the server's limit. Ours is checked from
+    the header before any pixel is decoded, so it is the one that applies. Only ever raised (never lowered, so a
+    server with a larger limit in the same process keeps it), under a lock so two raises cannot undo each other."""
+    from PIL import Image
+
+    with _pillow_limit:
+        if Image.MAX_IMAGE_PIXELS is not None and limit > Image.MAX_IMAGE_PIXELS:
+            Image.MAX_IMAGE_PIXELS = limit
+
+
 def decode_image(raw: bytes, where: str, opts: MediaOptions) -> Any:
     """A fully decoded PIL image; ValueError for unreadable data, an unsupported format or too many pixels."""
     from PIL import Image, UnidentifiedImageError
 
+    _allow_pixels(opts.max_image_pixels)
     with warnings.catch_warnings():
         # Pillow warns (and past twice its own limit, raises) on huge images; our own limit is checked below.
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -143,7 +203,8 @@ def decode_image(raw: bytes, where: str, opts: MediaOptions) -> Any:
                              f"--max-image-pixels)") from None
         except Exception as e:  # a header Pillow recognised but could not parse
             raise ValueError(f"{where}: could not decode the image ({e})") from None
-        if img.format not in SUPPORTED_FORMATS:
+        fmt = _FORMAT_ALIASES.get(img.format, img.format)
+        if fmt not in SUPPORTED_FORMATS:
             raise ValueError(f"{where}: unsupported image format {img.format} (supported: "
                              f"{', '.join(SUPPORTED_FORMATS)})")
         w, h = img.size
@@ -155,7 +216,7 @@ def decode_image(raw: bytes, where: str, opts: MediaOptions) -> Any:
         try:
             img.load()  # decode now: a truncated or corrupt file fails here, not in the processor
         except Exception as e:
-            raise ValueError(f"{where}: could not decode the {img.format} image ({e})") from None
+            raise ValueError(f"{where}: could not decode the {fmt} image ({e})") from None
     return img
 
 
@@ -178,12 +239,16 @@ def _template_messages(messages: Sequence[ChatMessage], image_token: str | None)
     return out
 
 
-def decode_images(messages: Sequence[ChatMessage], opts: MediaOptions) -> list[tuple[str, Any]]:
+def decode_images(messages: Sequence[ChatMessage], opts: MediaOptions) -> Iterator[tuple[str, Any]]:
     """(JSON path, decoded PIL image) of every image part, in order: read, size-checked and decoded (blocking: run
     it off the event loop). Raises ValueError naming the part at fault. Any server taking pictures (`kvpool serve`,
-    `kvpool omni-serve`) goes through here, so they all refuse the same things in the same words."""
-    return [(where, decode_image(read_image_bytes(url, where, opts), where, opts))
-            for where, url in image_parts(messages)]
+    `kvpool omni-serve`) goes through here, so they all refuse the same things in the same words.
+
+    One at a time, as the caller asks for the next: a caller that preprocesses each image (down to the model's
+    size) before asking holds one full-size picture at once rather than every picture of the request. The
+    image count is the caller's to check first (`check_image_count`), before any is read."""
+    for where, url in image_parts(messages):
+        yield where, decode_image(read_image_bytes(url, where, opts), where, opts)
 
 
 class ImageChatModel(Protocol):
@@ -211,15 +276,15 @@ def chat_with_images(engine: ImageChatModel, messages: Sequence[ChatMessage], op
             raise ValueError(f"{where}: the model `{model_name}` has no image processor "
                              f"(preprocessor_config.json); pass preprocessed images through the Python API")
         raise ValueError(f"{where}: the model `{model_name}` does not take images")
-    if len(parts) > images.max_images:
-        raise ValueError(f"{parts[images.max_images][0]}: the model `{model_name}` takes at most "
-                         f"{images.max_images} image(s) per request, got {len(parts)}")
+    check_image_count(parts, images.max_images, f"the model `{model_name}`")
+    check_image_count(parts, opts.max_images_per_request, "this server (--max-images-per-request)")
     mm: list[MMInput] = []
     for where, img in decode_images(messages, opts):
         try:
             mm += images.process([img])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+        del img  # (before the next one is decoded)
     try:
         ids = engine.render_chat(_template_messages(messages, None))
     except ValueError:

@@ -56,6 +56,8 @@ class ImageServerConfig:
                                                   "(default: refused)", metavar="DIR")
     max_image_bytes: int = option(20 << 20, "larger images (encoded, after base64 decoding) get HTTP 400")
     max_image_pixels: int = option(4096 * 4096, "images with more pixels (width x height) get HTTP 400")
+    max_images_per_request: int = option(8, "requests with more image parts get HTTP 400, counted before any "
+                                         "is read (a model may take fewer: its own cap applies too)")
 
 
 @dataclass

@@ -195,6 +195,16 @@ class ChatCompletionRequest(_SamplingFields):
     def chat_messages(self) -> list[dict[str, str]]:
         return chat_messages(self.messages)
 
+    def param_renames(self) -> dict[str, str]:
+        """The engine's names for this request's fields -> the names the client sent (for
+        `APIError.from_value_error`): the prompt and its images are the `messages`, and `max_tokens` is
+        `max_completion_tokens` when that is the field the client set. Every server taking chats renames
+        with it, so their errors name the same fields."""
+        rename = {"prompt_token_ids": "messages", "mm_inputs": "messages"}
+        if self.max_completion_tokens is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        return rename
+
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as chat templates read them (OpenAI's `developer` role is the templates' `system`)."""

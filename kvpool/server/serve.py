@@ -111,10 +111,11 @@ def media_options(args: argparse.Namespace) -> MediaOptions:
     root = args.allowed_local_media_path
     if root is not None and not Path(root).is_dir():
         raise ValueError(f"--allowed-local-media-path: {root!r} is not a directory")
-    for name in ("max_image_bytes", "max_image_pixels"):
+    for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
-    return MediaOptions(Path(root) if root is not None else None, args.max_image_bytes, args.max_image_pixels)
+    return MediaOptions(Path(root) if root is not None else None, args.max_image_bytes, args.max_image_pixels,
+                        args.max_images_per_request)
 
 
 def add_lora_modules(engine: LLMEngine, specs: list[str]) -> None:

@@ -134,6 +134,34 @@ def test_image_file_and_bad_inputs(tiny_llama_dir: Path, tmp_path: Path) -> None
     assert eng.kv.get_num_free_blocks() == free and not eng.has_unfinished_requests()
 
 
+def test_image_files_that_are_not_a_npy_array(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # What `kvpool omni --image FILE` and Python callers may pass: each is a ValueError naming mm_inputs and the
+    # file, not numpy's own exception (EOFError for an empty file) or words, and no block stays held.
+    eng = engine(tiny_llama_dir, num_blocks=32)
+    free = eng.kv.get_num_free_blocks()
+    good = image(0).numpy()
+    np.save(tmp_path / "good.npy", good)
+    whole = (tmp_path / "good.npy").read_bytes()
+    files = {
+        "empty.npy": b"",
+        "truncated.npy": whole[:200],
+        "text.npy": b"hello, not an array\n",
+        "bad_header.npy": b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f4'}" + b" " * 10,
+    }
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+    np.save(tmp_path / "object.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    np.savez(tmp_path / "arrays.npz", x=good)
+    for name in [*files, "object.npy", "arrays.npz"]:
+        path = tmp_path / name
+        with pytest.raises(ValueError) as e:
+            eng.add_request([5, P, P, P, P, 9], mm_inputs=[ImageInput(1, path)])
+        assert str(e.value).startswith(f"mm_inputs: image file {str(path)!r} is not a readable .npy array ("), name
+    assert eng.kv.get_num_free_blocks() == free and not eng.has_unfinished_requests()
+    out = run(eng, [5, P, P, P, P, 9], [ImageInput(1, tmp_path / "good.npy")])  # a good one still is
+    assert out.finished
+
+
 def test_encoder_cache_is_lru_bounded_by_bytes() -> None:
     c = EncoderCache(capacity_bytes=2 * 64)
     t = [torch.full((4, 4), float(i)) for i in range(3)]  # 64 bytes each

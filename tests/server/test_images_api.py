@@ -7,8 +7,11 @@ chat Mllama (`chat_mllama_dir`: tokenizer, chat template and transformers' image
   request reports its prefix-cache hit in usage.prompt_tokens_details.cached_tokens; another picture shares
   nothing.
 - Every refusal (remote URL, bad base64, a non-image, an unsupported format, an oversize image, too many images,
-  file:// outside the allowed directory, an image for a text-only model) is a 400 naming the part, and
-  leaves no request and no KV block behind.
+  file:// outside the allowed directory or a path the OS refuses, an image for a text-only model) is a 400
+  naming the part, and leaves no request and no KV block behind.
+- A JPEG carrying MPF data (Pillow's "MPO", as phone cameras write) is served as the JPEG it is, and a data URL's
+  `;base64` token is read in any case (RFC 2397).
+- With --max-image-pixels above Pillow's own bomb limit, the server's limit is the one that applies.
 """
 
 from __future__ import annotations
@@ -274,6 +277,10 @@ BAD = [
      f"{P0}: '/etc/hostname' is outside the allowed local media path"),
     ("no such file", chat("file:///MEDIA/none.png"), P0, f"{P0}: no such file"),
     ("escaping ..", chat("file:///MEDIA/../x.png"), P0, "x.png' is outside the allowed local media path"),
+    # Inside the folder, but refused by the OS or by the URL parser: the part, not the chat template, is at fault.
+    ("a name over the OS's limit", chat("file:///MEDIA/" + "a" * 300 + ".png"), P0, "aaa.png' (File name too long)"),
+    ("a NUL byte", chat("file:///MEDIA/a%00b.png"), P0, "a%00b.png' (embedded null byte)"),
+    ("a malformed host", chat("file://[x/cat.png"), P0, f"{P0}: cannot read 'file://[x/cat.png' (Invalid IPv6 URL)"),
     ("the image token typed in the text too", chat(data_url(picture(1)), text="<|image|> twice?"), "messages",
      "messages: the prompt must hold the image token (id 49152) exactly once for its image; found it 2 times"),
     ("unknown part", {"model": "vis", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
@@ -288,6 +295,72 @@ BAD = [
      "messages.0.content", "messages.0.content: Input should be a valid string / 1: Value error, a part of type "
      "'image_url' needs a 'image_url' field"),
 ]
+
+
+def test_a_jpeg_with_mpf_data_is_served_as_a_jpeg(vis: ServerHandle) -> None:
+    from PIL import Image
+
+    # Pillow opens a JPEG with an MPF segment (a second picture after the first) as format "MPO".
+    img = Image.open(io.BytesIO(picture(8, (16, 16), "JPEG")))
+    buf = io.BytesIO()
+    img.save(buf, "MPO", save_all=True, append_images=[img.rotate(90)])
+    mpo = buf.getvalue()
+    assert mpo[:3] == b"\xff\xd8\xff" and Image.open(io.BytesIO(mpo)).format == "MPO"
+    r = post(vis, chat(data_url(mpo, "image/jpeg")))
+    assert r.status_code == 200, r.text
+    # Its first picture, as a plain JPEG of the same pixels gives it.
+    plain = io.BytesIO()
+    Image.open(io.BytesIO(mpo)).convert("RGB").save(plain, "PNG")
+    assert r.json()["choices"] == post(vis, chat(data_url(plain.getvalue()))).json()["choices"]
+
+
+def test_the_base64_token_of_a_data_url_is_read_in_any_case(vis: ServerHandle) -> None:
+    raw = base64.b64encode(picture(1)).decode()
+    want = post(vis, chat(f"data:image/png;base64,{raw}"))
+    assert want.status_code == 200, want.text
+    for url in (f"data:image/png;BASE64,{raw}", f"data:IMAGE/PNG;Base64,{raw}"):
+        r = post(vis, chat(url))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"] == want.json()["choices"]
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG (8-bit grey) that declares width x height, with data that is not zlib's: Pillow reads the size from
+    its header, and only decoding, after the size checks, fails (before touching the pixels)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"not zlib data") + chunk(b"IEND", b"")
+
+
+def test_the_servers_pixel_limit_applies_above_pillows(chat_mllama_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    from PIL import Image
+
+    # Pillow refuses in Image.open what is over twice its own limit (about 179 MP); this server allows 400 MP.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # (restored after the test)
+    limit = 400_000_000
+    assert 2 * Image.MAX_IMAGE_PIXELS < 20_000 * 10_000
+    h = start_server(make_engine(chat_mllama_dir, block_size=BS), served_model_name="vis",
+                     media=MediaOptions(max_image_pixels=limit))
+    try:
+        # Within the server's limit: past the size checks, to the decoder (which finds the data broken).
+        r = post(h, chat(data_url(_png_header(20_000, 10_000))))
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == f"{P0}: could not decode the PNG image (broken data stream when " \
+                                               "reading image file)", r.text
+        # Over it: refused as over the server's limit, with the image's size.
+        r = post(h, chat(data_url(_png_header(30_000, 15_000))))
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (f"{P0}: the image is 30000x15000 = 450000000 pixels, over the limit "
+                                                f"of {limit} (--max-image-pixels)")
+        assert h.engine.num_pending == 0
+    finally:
+        h.stop()
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
