@@ -83,8 +83,8 @@ class SeqStep:
     lora: str | None = None  # the LoRA adapter these tokens run with (kvpool.runner.lora); None: the base model
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: bool = True
-               ) -> tuple[LlamaForCausalLM, dict]:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
+               native_kernels: bool = True) -> tuple[LlamaForCausalLM, dict]:
     """The model of a local Hugging Face folder, its weights loaded (any registered architecture, see
     kvpool.runner.models.registry)."""
     from safetensors import safe_open
@@ -112,7 +112,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: 
         r.to(torch.float32)  # the angle tables stay fp32; cast per use
     model.eval()
     if pack and can_pack(dtype, device):
-        model.pack_linears()
+        model.pack_linears(native_kernels)
     return model, cfg
 
 
@@ -152,7 +152,7 @@ class ModelRunner:
         # Batch-invariant fp32 pads plain linear layers to a fixed row count (kvpool.runner.invariant);
         # oneDNN's packed fp32 kernels are not shown row-count invariant, so they stay unpacked there.
         pack = not batch_invariant or self.dtype == torch.bfloat16
-        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, pack)
+        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, pack, native_kernels)
         cross_layers = getattr(self.model.arch, "cross_attention_layers", ())
         if batch_invariant:
             if cross_layers:

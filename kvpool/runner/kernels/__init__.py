@@ -2,7 +2,7 @@
 
 Paged decode and prefill attention (decode_attention.cpp, prefill_attention.cpp in bf16, prefill_f32.cpp)
 read keys and values in place through block tables; elementwise.cpp fuses the norm, rotary and
-SiLU-and-multiply.
+SiLU-and-multiply; linear_bf16.cpp is a bf16 model's linear layers (AVX-512 BF16).
 The library is compiled once per machine and source version with torch's own extension builder into
 `<kvpool cache>/kernels/` (`kvpool build-kernels` or `scripts/install.sh` do it ahead of time), then
 loaded as torch ops. Set KVPOOL_KERNELS=0 to run without it; if the build fails (no C++ compiler),
@@ -34,7 +34,7 @@ NARROW_KV_DTYPES = (torch.bfloat16, torch.float16, *FP8_DTYPES)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "decode_attention.cpp", HERE / "prefill_attention.cpp", HERE / "prefill_f32.cpp",
            HERE / "elementwise.cpp",
-           HERE / "kv_write.cpp", HERE / "argmax.cpp"]
+           HERE / "kv_write.cpp", HERE / "argmax.cpp", HERE / "linear_bf16.cpp"]
 HEADERS = [HERE / "common.h"]
 # -march=native: the library is built on the machine that runs it (the build dir is keyed by its CPU).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
@@ -112,6 +112,11 @@ def fused_ops() -> Any:
     """torch.ops.kvpool, whose rms_norm, silu_and_mul and rotary are fused bf16 versions of
     kvpool.runner.models.llama's ops (elementwise.cpp), or None as above."""
     return torch.ops.kvpool if _library() else None
+
+
+def linear_bf16_supported() -> bool:
+    """Whether `torch.ops.kvpool.linear_bf16` runs here (the library is built with AVX-512 BF16)."""
+    return _library() and bool(torch.ops.kvpool.linear_bf16_supported())
 
 
 def prefill_supported(head_dim: int, block_size: int, dtype: torch.dtype = torch.bfloat16) -> bool:

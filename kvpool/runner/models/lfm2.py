@@ -176,13 +176,13 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     def norm(self) -> RMSNorm:  # type: ignore[override]
         return self.embedding_norm
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, native: bool = True) -> None:
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and module is not self:
-                    setattr(module, name, PackedLinear(child.weight, child.bias))
+                    setattr(module, name, PackedLinear(child.weight, child.bias, native))
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = PackedLinear(w, None)
+        self.packed_lm_head = PackedLinear(w, None, native)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face names map one to one onto this module's (no fused projections)."""

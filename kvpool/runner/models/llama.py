@@ -8,6 +8,7 @@ three and two. Weight names are the Hugging Face ones, so a transformers checkpo
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,23 +74,45 @@ FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight is reordered once into oneDNN's blocked layout (bf16 or fp32).
+    """A linear layer whose weight is packed once, at load, for the kernel that runs it on the CPU.
 
-    F.linear reorders a bf16 weight on every call, and runs fp32 through MKL, which on an AVX2-only
-    AMD EPYC (Zen 3) took 66 ms for SmolLM2's vocabulary projection of a 64-row decode step where
-    oneDNN's packed fp32 kernel took 32 (and 10-25% less on most other projections). Used on the CPU
-    wherever oneDNN packs the model's dtype.
+    oneDNN's blocked layout (bf16 or fp32): F.linear reorders a bf16 weight on every call, and runs fp32
+    through MKL, which on an AVX2-only AMD EPYC (Zen 3) took 66 ms for SmolLM2's vocabulary projection of a
+    64-row decode step where oneDNN's packed fp32 kernel took 32. Used on the CPU wherever oneDNN packs the
+    model's dtype.
+
+    KVPOOL_BF16_LINEAR=kvpool (bf16, a CPU with AVX-512 BF16): kvpool's own kernel instead
+    (`kernels/linear_bf16.cpp`). On a 2-core Zen 4 it made SmolLM2's decode-heavy bench ~4% faster (64-row
+    steps: oneDNN splits the narrow projections unevenly over the threads) and its prompt-heavy default shape
+    ~2% slower (oneDNN is a little faster at thousands of rows): a trade, so not the default (docs/benchmarks.md,
+    session 24). Both give a row the same bits whatever the row count.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: bool = True) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
-                             persistent=False)
+        # `native` False (the engine's native_kernels=False): torch's own kernels only, oneDNN's here.
+        self.own = native and weight.dtype == torch.bfloat16 and _own_bf16_linear()
+        w = weight.detach()
+        packed = torch.ops.kvpool.pack_linear_bf16(w) if self.own else torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.register_buffer("packed", packed, persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own:
+            return torch.ops.kvpool.linear_bf16(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _own_bf16_linear() -> bool:
+    """Whether bf16 linear layers run on kvpool's kernel (KVPOOL_BF16_LINEAR=kvpool; see PackedLinear), which
+    needs the kernels built here with AVX-512 BF16."""
+    from kvpool.runner import kernels
+
+    choice = os.environ.get("KVPOOL_BF16_LINEAR", "onednn")
+    if choice not in ("kvpool", "onednn"):
+        raise ValueError(f"KVPOOL_BF16_LINEAR: {choice!r} is neither 'kvpool' nor 'onednn'")
+    return choice == "kvpool" and kernels.linear_bf16_supported()
 
 
 @functools.cache
@@ -270,14 +293,15 @@ class LlamaForCausalLM(nn.Module):
             return argmax_rows(raw)
         return raw.float().argmax(dim=-1)
 
-    def pack_linears(self) -> None:
-        """Swap every projection for its packed form (on the CPU); the weights stay as loaded."""
+    def pack_linears(self, native: bool = True) -> None:
+        """Swap every projection for its packed form (on the CPU; `native`: see PackedLinear); the weights stay
+        as loaded."""
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 lin = getattr(layer, name)
-                setattr(layer, name, PackedLinear(lin.weight, lin.bias))
+                setattr(layer, name, PackedLinear(lin.weight, lin.bias, native))
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = PackedLinear(w, None)
+        self.packed_lm_head = PackedLinear(w, None, native)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

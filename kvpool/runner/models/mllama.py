@@ -291,14 +291,14 @@ class MllamaForConditionalGeneration(LlamaForCausalLM):
                                 aspect_ratio_mask=aspect_ratio_mask[None, None].to(w.device)).last_hidden_state
         return self.multi_modal_projector(out).reshape(-1, self.arch.hidden_size)
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, native: bool = True) -> None:
         for layer in self.layers:
             names = ("q_proj", "kv_proj") if isinstance(layer, MllamaCrossLayer) else ("qkv_proj",)
             for name in (*names, "o_proj", "gate_up_proj", "down_proj"):
                 lin = getattr(layer, name)
-                setattr(layer, name, PackedLinear(lin.weight, lin.bias))
+                setattr(layer, name, PackedLinear(lin.weight, lin.bias, native))
         assert self.lm_head is not None
-        self.packed_lm_head = PackedLinear(self.lm_head.weight, None)
+        self.packed_lm_head = PackedLinear(self.lm_head.weight, None, native)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a transformers Mllama checkpoint (text, vision tower, projector), fusing projections."""

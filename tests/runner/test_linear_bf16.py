@@ -1,0 +1,76 @@
+"""kvpool's bf16 linear kernel (kernels/linear_bf16.cpp) against an exact emulation of the instruction it is
+built on: every output bit, for the shapes whose edges the kernel handles separately (an odd K, N not a
+multiple of 16 or of 48, row counts that leave partial tiles and span several row blocks, a bias)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.runner import kernels
+from kvpool.runner.models.llama import PackedLinear
+
+pytestmark = pytest.mark.skipif(not kernels.linear_bf16_supported(),
+                                reason="the kernels are not built with AVX-512 BF16 here")
+
+
+def emulate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """`vdpbf16ps` over k in order, one fp32 accumulator per output: for each pair of k, the odd element's
+    product is added, then the even one's (a product of two bf16 values is exact in fp32; each add rounds
+    to nearest even); the sum starts from the bias and is rounded to bf16 once at the end."""
+    m, k = x.shape
+    acc = torch.zeros(m, w.shape[0]) if b is None else b.float().expand(m, -1).clone()
+    xf, wf = x.float(), w.float()
+    for p in range((k + 1) // 2):
+        for j in (2 * p + 1, 2 * p):
+            if j < k:
+                acc = acc + xf[:, j:j + 1] * wf[:, j][None, :]
+    return acc.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("m", "k", "n", "bias"), [
+    (1, 2, 1, False),       # the smallest shape
+    (5, 64, 40, False),     # a partial tile of rows; 40 columns: one panel of 3 groups, the last partial
+    (9, 63, 17, True),      # odd K (the last pair padded), N = 16 + 1, a bias
+    (16, 128, 96, True),    # whole tiles and panels
+    (131, 576, 50, False),  # SmolLM2's hidden size: 131 rows span two row blocks (112 rows each)
+])
+def test_bits_equal_the_instruction_emulated(m: int, k: int, n: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    y = torch.ops.kvpool.linear_bf16(x, torch.ops.kvpool.pack_linear_bf16(w), b, n)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert torch.equal(y, emulate(x, w, b))
+
+
+def test_packed_linear_runs_it_on_any_leading_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(33, 20, generator=g).to(torch.bfloat16)
+    assert not PackedLinear(w, None).own  # oneDNN's unless asked for
+    monkeypatch.setenv("KVPOOL_BF16_LINEAR", "kvpool")
+    assert not PackedLinear(w, None, native=False).own  # the engine's native_kernels=False: torch's kernels only
+    lin = PackedLinear(w, None)
+    assert lin.own
+    x = torch.randn(2, 7, 40, generator=g).to(torch.bfloat16)[..., ::2]  # (2, 7, 20), not contiguous
+    y = lin(x)
+    assert y.shape == (2, 7, 33)
+    assert torch.equal(y.reshape(14, 33), emulate(x.reshape(14, 20), w, None))
+
+
+def test_an_unknown_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_BF16_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="KVPOOL_BF16_LINEAR: 'mkl' is neither 'kvpool' nor 'onednn'"):
+        PackedLinear(torch.ones(4, 4, dtype=torch.bfloat16), None)
+
+
+def test_a_mismatched_input_is_refused() -> None:
+    packed = torch.ops.kvpool.pack_linear_bf16(torch.ones(8, 10, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x has 12 features, the packed weight 5 pairs"):
+        torch.ops.kvpool.linear_bf16(torch.ones(3, 12, dtype=torch.bfloat16), packed, None, 8)
+    with pytest.raises(RuntimeError, match="n = 17 does not match"):
+        torch.ops.kvpool.linear_bf16(torch.ones(3, 10, dtype=torch.bfloat16), packed, None, 17)
+    with pytest.raises(RuntimeError, match="bias must have 8 elements"):
+        torch.ops.kvpool.linear_bf16(torch.ones(3, 10, dtype=torch.bfloat16), packed,
+                                     torch.ones(9, dtype=torch.bfloat16), 8)
