@@ -44,3 +44,13 @@ def chat_llama_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> 
 def chat_mllama_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
     """A tiny random-weight Mllama with a tokenizer, a chat template and an image processor: images over HTTP."""
     return make_chat_mllama(tmp_path_factory.mktemp("tiny-chat-mllama"), smol_dir)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding one picture (cat.png), for file:// image URLs."""
+    from helpers import picture
+
+    d = tmp_path_factory.mktemp("media")
+    (d / "cat.png").write_bytes(picture(7))
+    return d

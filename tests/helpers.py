@@ -4,6 +4,8 @@ helpers from here, never from a conftest, since every test folder may have its o
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -250,3 +252,20 @@ def fail_first_step(engine: object, fault: BaseException | None = None) -> dict[
 
     engine.step = step  # type: ignore[attr-defined]
     return calls
+
+
+def picture(seed: int, size: tuple[int, int] = (13, 21), fmt: str = "PNG", solid: bool = False) -> bytes:
+    """Random RGB noise (or one colour: a few bytes however large), encoded; size is (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    a = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+    if solid:
+        a[:] = a[0, 0]
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(raw).decode()}"

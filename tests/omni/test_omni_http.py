@@ -19,7 +19,6 @@ tokenizer and chat template on a tiny random Llama) with the seeded vision tower
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from helpers import data_url, picture
 
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.omni.pipeline import Pipeline, reference_pipeline
@@ -39,18 +39,8 @@ THINKER_TOKENS, TALKER_TOKENS = 4, 3
 P0 = "messages[0].content[0].image_url"
 
 
-def picture(seed: int, size: tuple[int, int] = (13, 21)) -> bytes:
-    """Random RGB noise as PNG bytes; size is (width, height)."""
-    from PIL import Image
-
-    a = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, "PNG")
-    return buf.getvalue()
 
 
-def data_url(raw: bytes) -> str:
-    return f"data:image/png;base64,{base64.b64encode(raw).decode()}"
 
 
 def chat(url: str | None, text: str = "What is in this picture?", **kw: object) -> dict:
@@ -81,13 +71,6 @@ def omni(chat_llama_dir: Path, talker_dir: Path) -> Iterator[OmniServerHandle]:
 # `limited`: a thinker whose context (1020 tokens) is longer than the talker's (252, less its 3 codes: 250), and
 # image limits: file:// URLs under a folder, two images per request.
 LIMIT = 64 * 4 - 4 - TALKER_TOKENS + 1
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("media")
-    (d / "cat.png").write_bytes(picture(7))
-    return d
 
 
 @pytest.fixture(scope="module")

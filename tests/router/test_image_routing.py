@@ -6,16 +6,15 @@ with the same words and another picture shares nothing and is not drawn there by
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
+from helpers import data_url
+from helpers import picture as image
 from replicas import start_front, start_replica
 
 from kvpool.router.app import RouterHandle, load_tokenizer
@@ -23,12 +22,7 @@ from kvpool.server.serve import ServerHandle
 
 
 def picture(seed: int) -> str:
-    from PIL import Image
-
-    a = (np.random.default_rng(seed).random((21, 13, 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, "PNG")
-    return f"data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}"
+    return data_url(image(seed))
 
 
 @pytest.fixture(scope="module")

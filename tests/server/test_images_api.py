@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
+from helpers import data_url, picture
 from server_helpers import make_engine
 
 from kvpool.engine.async_engine import AsyncEngine, StepReport
@@ -43,20 +43,8 @@ MAX_BYTES = 24 << 10
 MAX_PIXELS = 96 * 96
 
 
-def picture(seed: int, size: tuple[int, int] = (13, 21), fmt: str = "PNG", solid: bool = False) -> bytes:
-    """Random RGB noise (or one colour: a few bytes however large), encoded; size is (width, height)."""
-    from PIL import Image
-
-    a = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    if solid:
-        a[:] = a[0, 0]
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, fmt)
-    return buf.getvalue()
 
 
-def data_url(raw: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(raw).decode()}"
 
 
 def chat(url: str | list[str], text: str = "What is in this picture?", **kw: object) -> dict:
@@ -64,13 +52,6 @@ def chat(url: str | list[str], text: str = "What is in this picture?", **kw: obj
     parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
     return {"model": "vis", "messages": [{"role": "user", "content": parts}], "max_tokens": N_OUT,
             "temperature": 0, **kw}
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("media")
-    (d / "cat.png").write_bytes(picture(7))
-    return d
 
 
 @pytest.fixture(scope="module")
