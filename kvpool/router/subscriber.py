@@ -6,8 +6,14 @@ socket when it has one. When the replay no longer reaches back to the gap (its b
 replica's entries are dropped and rebuilt from what the buffer still holds and what follows; without a
 replay socket, from what follows only (a stale index would send requests to blocks that are gone; one that
 misses blocks only costs hits). A sequence number going backwards means the replica restarted: its device
-and host tiers are empty. At start-up the subscriber asks for a replay from 0, so a router started after
-its replicas still learns what they already cache.
+and host tiers are empty. So does a change of the publisher's instance id, which kvpool's replay tells in
+its end marker: the subscriber learns it with each replay, and when a live batch's number is below the next
+one it expects before any live batch was read (the batch may be one the replay gave it, or the first of a
+restarted replica), it asks the replay for the id again rather than guess. A gap's replay tells it too.
+(Not seen: a restart whose lost first batches end right at the number expected next; the batches keep
+vLLM's shape, which has no room for the id.)
+At start-up the subscriber asks for a replay from 0, so a router started after its replicas still learns
+what they already cache.
 
 A batch the router cannot use (malformed, or with fields of the wrong type) is skipped like a gap: the
 replica's entries are dropped, as the batch may have removed some of them, and the thread goes on.
@@ -23,7 +29,7 @@ from typing import Any
 import zmq
 
 from kvpool.router.index import PrefixIndex
-from kvpool.server.kv_events import END_SEQ, decode_batch
+from kvpool.server.kv_events import END_SEQ, PROBE_SEQ, decode_batch, end_marker_info
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,7 @@ class EventSubscriber:
         self.restarts = 0
         self.decode_errors = 0
         self._last_live: int | None = None  # the last sequence number read from the PUB socket
+        self._instance: str | None = None  # the publisher's id, as its last replay told it (None: not known)
         self._stop = threading.Event()
         self._resync = threading.Event()
         self._ctx = zmq.Context()
@@ -135,6 +142,14 @@ class EventSubscriber:
                     return False
                 _, _, seq_b, payload = frames
                 if seq_b == END_SEQ:
+                    instance = end_marker_info(payload)[0]
+                    if instance is not None and self._instance is not None and instance != self._instance:
+                        # Another process answers: what this replay applied went onto a dead replica's entries.
+                        sock.close(0)
+                        self._restarted(instance)
+                        return self._replay(0)
+                    if instance is not None:
+                        self._instance = instance
                     return True
                 seq = int.from_bytes(seq_b, "big")
                 if first and seq != start:
@@ -149,6 +164,14 @@ class EventSubscriber:
         finally:
             sock.close(0)
 
+    def _restarted(self, instance: str | None) -> None:
+        """The replica restarted (its tiers are empty): forget its entries; `instance` is its new id, if known."""
+        self.restarts += 1
+        log.warning("router: replica %s restarted its event stream; forgetting its blocks", self.replica)
+        self.index.clear(self.replica)
+        self.next_seq = None
+        self._instance = instance
+
     def _run(self) -> None:
         sub = self._sub
         assert sub is not None
@@ -160,7 +183,7 @@ class EventSubscriber:
                 if self._resync.is_set():
                     self._resync.clear()
                     self.index.clear(self.replica)
-                    self.next_seq = self._last_live = None
+                    self.next_seq = self._last_live = self._instance = None
                     self._replay(0)
                 if not sub.poll(100):
                     continue
@@ -184,12 +207,28 @@ class EventSubscriber:
         expected = self.next_seq
         last_live, self._last_live = self._last_live, seq
         if expected is not None and seq < expected:
-            if last_live is None or seq > last_live:
+            if last_live is not None and seq > last_live:
                 return  # a batch the replay already applied (the live stream never goes back)
-            self.restarts += 1
-            log.warning("router: replica %s restarted its event stream; forgetting its blocks", self.replica)
-            self.index.clear(self.replica)
-            self.next_seq = None
+            if last_live is None:
+                # No live batch before this one: it may be one the replay already applied, or the first
+                # batches of a replica that restarted since (numbering from 0 again). Only the publisher's
+                # id tells: ask for it (a restart found there is handled by `_replay`, which replays anew).
+                restarts = self.restarts
+                if self._instance is not None and self._replay(PROBE_SEQ):
+                    if self.restarts == restarts:
+                        return  # the same publisher: the replay gave this batch already
+                    if self.next_seq is not None and self.next_seq > seq:
+                        return  # the new publisher's replay covered this batch
+                    self._apply(seq, payload)
+                    return
+                # No id to compare (a publisher that does not tell it, or a replay that did not answer):
+                # rebuild from the replay, which is right in either case; only a restart seen is counted.
+                log.info("router: replica %s: live batch %d below the replayed %d; rebuilding its index",
+                         self.replica, seq, expected)
+                self.index.clear(self.replica)
+                self.next_seq = None
+            else:
+                self._restarted(None)  # (the id is learned again from the replay below)
             if seq != 0 and self._replay(0) and self.next_seq is not None and self.next_seq > seq:
                 return
         elif seq != (expected or 0):

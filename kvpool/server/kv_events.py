@@ -14,7 +14,12 @@ The wire, as vLLM's `ZmqEventPublisher` sends it:
     {"type": "AllBlocksCleared"}
 - replay (optional): a ROUTER socket; a client (REQ or DEALER) sends [start sequence (8-byte big-endian)]
   and gets every buffered message from that number on as [topic, seq, payload], then the end marker
-  [b"", seq -1 (8 bytes, signed), b""]. A subscriber that saw a gap in the sequence numbers asks here.
+  [b"", seq -1 (8 bytes, signed), info]. A subscriber that saw a gap in the sequence numbers asks here.
+  vLLM's end marker carries nothing (info b""); kvpool's carries msgpack {"instance": str, "next_seq": int}:
+  an id drawn at each publisher start, and the number the next batch will get. A subscriber that sees the
+  instance change knows the replica restarted (its tiers are empty) even when the new stream's numbers do not
+  go backwards where it looks; vLLM's subscribers ignore the end marker's payload, and the batches themselves
+  stay exactly vLLM's. Asking from a number no buffer reaches (`PROBE_SEQ`) gets the end marker alone.
 
 kvpool's names map to vLLM's: medium "device" -> "GPU" (the tier attention reads, whatever the device),
 "host" -> "CPU", "store" -> "STORAGE"; a string LoRA id goes to `lora_name`, an int one to `lora_id` (and
@@ -30,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any
 
@@ -43,6 +49,20 @@ log = logging.getLogger(__name__)
 
 MEDIUMS = {"device": "GPU", "host": "CPU", "store": "STORAGE"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+PROBE_SEQ = (1 << 64) - 1  # a replay start no buffer reaches: the reply is the end marker alone
+
+
+def end_marker_info(payload: bytes) -> tuple[str | None, int | None]:
+    """(instance, next_seq) of a replay's end marker; (None, None) for vLLM's empty one or one not kvpool's."""
+    try:
+        info = msgpack.unpackb(payload, raw=False) if payload else None
+    except Exception:
+        return None, None
+    if not isinstance(info, dict):
+        return None, None
+    instance, next_seq = info.get("instance"), info.get("next_seq")
+    return (instance if isinstance(instance, str) and instance else None,
+            next_seq if isinstance(next_seq, int) and not isinstance(next_seq, bool) else None)
 
 
 def _untagged(keys: tuple[tuple[object, ...], ...]) -> tuple[Any, ...] | None:
@@ -134,6 +154,9 @@ class KVEventPublisher:
         self._queue: queue.SimpleQueue[list[KVCacheEvent] | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
+        # Drawn per publisher (so per process start): told in every replay's end marker, it lets a subscriber
+        # tell a restarted replica from one whose batches it already has, whatever numbers it saw before.
+        self.instance = uuid.uuid4().hex
         self._thread: threading.Thread | None = None
         self._running = False
 
@@ -143,17 +166,22 @@ class KVEventPublisher:
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.set_hwm(self.hwm)
+        # One try per socket, so the error names the endpoint that failed (both are flags of their own).
         try:
             self._sock.bind(self.endpoint)
-            if self.replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                # A full replay plus its end marker must fit, or a slow client's replay is cut silently.
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (self.buffer_steps + 1))
-                self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as e:
             self.close()
             raise ValueError(f"kv_events_endpoint: cannot bind ({e})") from None
+        if self.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            # A full replay plus its end marker must fit, or a slow client's replay is cut silently.
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (self.buffer_steps + 1))
+            try:
+                self._replay.bind(self.replay_endpoint)
+            except zmq.ZMQError as e:
+                self.close()
+                raise ValueError(f"kv_events_replay_endpoint: cannot bind ({e})") from None
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
@@ -202,7 +230,8 @@ class KVEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
+        info = msgpack.packb({"instance": self.instance, "next_seq": self._seq})
+        self._replay.send_multipart([client, b"", b"", END_SEQ, info])
 
     def close(self) -> None:
         if self._thread is not None:

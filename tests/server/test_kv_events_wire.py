@@ -25,7 +25,7 @@ from server_helpers import BLOCK, make_engine
 from kvpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest
-from kvpool.server.kv_events import END_SEQ, KVEventPublisher, decode_batch, encode_batch
+from kvpool.server.kv_events import END_SEQ, KVEventPublisher, decode_batch, encode_batch, end_marker_info
 from kvpool.server.serve import start_server
 
 VENV = Path(os.environ.get("KVPOOL_VLLM_VENV", "/tmp/vllm-peer-venv"))
@@ -79,8 +79,8 @@ def test_replay_socket_resends_from_a_sequence_number() -> None:
         got = []
         while True:
             _, topic, seq, payload = req.recv_multipart()
-            if seq == END_SEQ:
-                assert topic == b"" and payload == b""
+            if seq == END_SEQ:  # its payload tells the publisher's id (per start) and its next number
+                assert topic == b"" and end_marker_info(payload) == (pub.instance, 5)
                 break
             assert topic == b"t"
             got.append((int.from_bytes(seq, "big"), decode_batch(payload)[1][0]["block_hashes"][0]))
@@ -89,6 +89,15 @@ def test_replay_socket_resends_from_a_sequence_number() -> None:
         req.close(0)
         ctx.term()
         pub.close()
+
+
+def test_a_bad_replay_endpoint_is_named_as_such() -> None:
+    """Each endpoint is its own flag: a replay endpoint ZeroMQ refuses is not reported as the PUB one."""
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint="bogus-endpoint")
+    with pytest.raises(ValueError, match=r"^kv_events_replay_endpoint: cannot bind"):
+        pub.bind()
+    with pytest.raises(ValueError, match=r"^kv_events_endpoint: cannot bind"):
+        KVEventPublisher("bogus-endpoint", replay_endpoint=f"tcp://127.0.0.1:{free_port()}").bind()
 
 
 @pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
@@ -126,3 +135,24 @@ def test_vllm_decodes_kvpool_stream(chat_llama_dir: Path) -> None:
         e["type"] == "AllBlocksCleared" for e in events)
     # vLLM's decoder accepted every payload; the block size and hashes came through as sent.
     assert all(e["block_size"] == BLOCK for e in events if e["type"] == "BlockStored")
+
+
+def test_a_replay_endpoint_without_an_events_endpoint_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """It was ignored silently (no events are published to replay); now refused before the model loads, by
+    `kvpool serve` and by `build`, naming both flags."""
+    from types import SimpleNamespace
+
+    import kvpool.server.serve as serve_mod
+    from kvpool.cli import main
+
+    def no_engine(**_: object) -> None:
+        raise AssertionError("the engine was built before the flags were checked")
+
+    monkeypatch.setattr(serve_mod, "LLMEngine", no_engine)
+    assert main(["serve", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}"]) == 2
+    err = capsys.readouterr().err
+    assert "kvpool: error: kv_events_replay_endpoint: --kv-events-replay-endpoint needs --kv-events-endpoint" in err
+    engine = SimpleNamespace(model_dir=Path("m"), list_loras=lambda: [])
+    with pytest.raises(ValueError, match=r"^kv_events_replay_endpoint: .* needs --kv-events-endpoint"):
+        serve_mod.build(engine, kv_events_replay_endpoint="tcp://127.0.0.1:1")  # type: ignore[arg-type]
