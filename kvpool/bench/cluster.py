@@ -42,9 +42,9 @@ from typing import Any
 
 import httpx
 
-from kvpool.bench.multiturn import arrival_order, conversations, take_idle
+from kvpool.bench.multiturn import arrival_order, conversations, span_flag, take_idle
 from kvpool.bench.plots import plot_path, ttft_per_turn
-from kvpool.bench.report import emit, format_table
+from kvpool.bench.report import emit, format_table, name_list
 
 SYSTEMS = ("round-robin", "round-robin+store", "router", "router+store", "ceiling")
 
@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--system-len", type=int, default=256)
-    p.add_argument("--user-len", default="32:64", help="min:max tokens of a user message")
-    p.add_argument("--answer-len", default="8:16", help="min:max tokens of an answer")
+    p.add_argument("--user-len", type=span_flag, default="32:64", help="min:max tokens of a user message")
+    p.add_argument("--answer-len", type=span_flag, default="8:16", help="min:max tokens of an answer")
     p.add_argument("--device-blocks", type=int, default=None,
                    help="device pool of each of the two replicas (default: 60%% of the working set, so that one "
                         "replica holds half the conversations but not all of them)")
@@ -378,10 +378,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
     plot_path(a.plot)
-    names = [s.strip() for s in a.systems.split(",") if s.strip()]
-    for n in names:
-        if n not in SYSTEMS:
-            raise ValueError(f"systems: {n!r} is not one of {', '.join(SYSTEMS)}")
+    names = name_list("systems", a.systems, SYSTEMS)
     if a.conversations < 1 or a.turns < 1 or a.concurrency < 1:
         raise ValueError("conversations/turns/concurrency: must be >= 1")
     model_dir = resolve_model(a.model)

@@ -25,20 +25,25 @@ import time
 from typing import Any
 
 from kvpool.bench.plots import plot_path, ttft_per_turn
-from kvpool.bench.report import emit, format_table
+from kvpool.bench.report import emit, format_table, name_list
+from kvpool.server.options import _positive
+
+SYSTEMS = ("no-cache", "device", "device+host", "device+host-write-through", "unlimited")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    # Checked as parsed: a 0 would otherwise end in the mean of no TTFTs, after the model loaded.
+    p.add_argument("--conversations", type=_positive, default=16)
+    p.add_argument("--turns", type=_positive, default=4)
+    p.add_argument("--concurrency", type=_positive, default=4, help="requests in flight")
     p.add_argument("--system-len", type=int, default=256)
-    p.add_argument("--user-len", default="32:96", help="min:max tokens of a user message")
-    p.add_argument("--answer-len", default="16:32", help="min:max tokens of an answer")
+    p.add_argument("--user-len", type=span_flag, default="32:96", help="min:max tokens of a user message")
+    p.add_argument("--answer-len", type=span_flag, default="16:32", help="min:max tokens of an answer")
     p.add_argument("--device-blocks", type=int, default=192, help="device pool of the limited systems")
     p.add_argument("--host-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--systems", default="no-cache,device,device+host,device+host-write-through,unlimited")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma-separated, each NAME or NAME:KV_DTYPE, NAME one of " + ", ".join(SYSTEMS))
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT per turn, one line per system")
 
@@ -46,6 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _span(s: str) -> tuple[int, int]:
     lo, _, hi = s.partition(":")
     return int(lo), int(hi or lo)
+
+
+def span_flag(text: str) -> str:
+    """argparse type of a MIN:MAX length flag: checked as parsed, kept as text (the result reports it so)."""
+    try:
+        lo, hi = _span(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be MIN:MAX (or N) token counts, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return text
 
 
 def conversations(a: argparse.Namespace, vocab: tuple[int, int] = (1000, 40000)) -> tuple[list[int], list[list[tuple]]]:
@@ -173,13 +189,11 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
 
 def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     plot_path(a.plot)
-    names = [s.strip() for s in a.systems.split(",") if s.strip()]
+    # Every name is checked before the first system runs (each takes minutes).
+    names = name_list("systems", a.systems, SYSTEMS, key=lambda n: n.partition(":")[0].partition("@")[0])
     systems: dict[str, dict] = {}
     outs: dict[str, list[list[int]]] = {}
     for n in names:
-        if n.partition(":")[0].partition("@")[0] not in ("no-cache", "device", "device+host",
-                                                         "device+host-write-through", "unlimited"):
-            raise ValueError(f"systems: unknown system {n!r}")
         systems[n], outs[n] = run_system(n, a, engine_kw)
     for n in names:
         kv_dtype = n.partition(":")[2]

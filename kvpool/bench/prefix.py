@@ -19,28 +19,30 @@ import tempfile
 import time
 from typing import Any
 
-from kvpool.bench.report import emit, format_table
+from kvpool.bench.report import emit, format_table, name_list
 from kvpool.bench.workloads import generated_shared_prefix
+from kvpool.server.options import _positive
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--system-len", type=int, default=1024)
-    p.add_argument("--questions", type=int, default=8, help="questions per group")
-    p.add_argument("--question-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
+    # Counts are checked as they are parsed: a 0 would otherwise fail only after the engines were built.
+    p.add_argument("--groups", type=_positive, default=8)
+    p.add_argument("--system-len", type=_positive, default=1024)
+    p.add_argument("--questions", type=_positive, default=8, help="questions per group")
+    p.add_argument("--question-len", type=_positive, default=64)
+    p.add_argument("--output-len", type=_positive, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unique", action="store_true", help="no shared prefix: every prompt its own system prompt")
-    p.add_argument("--runs", type=int, default=1, help="timed runs per system (medians reported)")
+    p.add_argument("--runs", type=_positive, default=1, help="timed runs per system (medians reported)")
     p.add_argument("--systems", default="kvpool,kvpool-no-cache,transformers",
                    help="comma-separated: kvpool, kvpool-no-cache, kvpool-full-attention (hybrid models: every "
                         "layer kept as full attention), kvpool-lora (group g's requests run with LoRA adapter "
                         "g mod --lora: several adapters in every batch), transformers")
-    p.add_argument("--lora", type=int, default=4, help="kvpool-lora: random LoRA adapters (all linear layers)")
-    p.add_argument("--lora-rank", type=int, default=16, help="kvpool-lora: their rank")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--lora", type=_positive, default=4, help="kvpool-lora: random LoRA adapters (all linear layers)")
+    p.add_argument("--lora-rank", type=_positive, default=16, help="kvpool-lora: their rank")
+    p.add_argument("--hf-batch-size", type=_positive, default=16)
     p.add_argument("--workload-out", help="write the workload (token ids) as JSON for vllm-cpu/run.sh")
     p.add_argument("--no-warmup", action="store_true",
                    help="no warm-up requests before the timed runs: the first of each system's wall_s_runs is then "
@@ -215,6 +217,7 @@ def _kvpool_session(name: str, a: argparse.Namespace, prompts: list[list[int]], 
 
 
 def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
+    wanted = name_list("systems", a.systems, (*KVPOOL_SYSTEMS, "transformers"))
     prompts = generated_shared_prefix(a.groups, a.system_len, a.questions, a.question_len, seed=a.seed,
                                       shared=not a.unique)
     if a.workload_out:
@@ -222,10 +225,6 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
             json.dump({"prompts": [{"ids": p} for p in prompts], "max_tokens": a.output_len}, f)
     systems: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
-    wanted = [s.strip() for s in a.systems.split(",") if s.strip()]
-    for name in wanted:
-        if name not in KVPOOL_SYSTEMS and name != "transformers":
-            raise ValueError(f"systems: unknown system {name!r}")
     warm = not a.no_warmup
     with contextlib.ExitStack() as stack:
         # Every kvpool system is built (and warmed) first, then their timed runs alternate, the order reversed

@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+
+def name_list(flag: str, text: str, known: Sequence[str], key: Callable[[str], str] = str) -> list[str]:
+    """The names a comma-separated flag gives (`flag`: its field name, for the message). A ValueError naming the
+    flag when it gives none or one whose `key` is not in `known`, so a bad list stops the command before any
+    benchmark runs (an empty one would otherwise run nothing and fail at the table)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"{flag}: name at least one of {', '.join(known)}")
+    for n in names:
+        if key(n) not in known:
+            raise ValueError(f"{flag}: unknown {n!r} (one of {', '.join(known)})")
+    return names
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -13,7 +26,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
         return str(v)
 
     body = [[cell(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in body)]) for i, h in enumerate(headers)]  # (rows may be none)
     line = "  ".join("-" * w for w in widths)
     out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)), line]
     # Text columns read left to right; numbers line up on the right.

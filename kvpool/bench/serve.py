@@ -16,6 +16,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -470,6 +471,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # httpx logs every request at INFO, which would bury the table.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _need(a.endpoint.startswith("/"), "endpoint", f"must start with '/', got {a.endpoint!r}")
+    if a.save_result:  # checked now: found after the load test, the result would be lost with the error
+        result_dir = Path(a.result_dir)
+        _need(result_dir.is_dir(), "result_dir", f"{a.result_dir!r} is not a directory")
+        _need(os.access(result_dir, os.W_OK | os.X_OK), "result_dir", f"{a.result_dir!r} is not writable")
     reqs = build_requests(a)
     endpoint = a.endpoint
     if a.dataset_name == "images" and endpoint == "/v1/completions":

@@ -18,18 +18,22 @@ import tempfile
 import time
 from typing import Any
 
-from kvpool.bench.report import emit, format_table
+from kvpool.bench.report import emit, format_table, name_list
+from kvpool.server.options import _positive, _positive_float
+
+BACKENDS = ("file", "redis")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", default="file,redis")
-    p.add_argument("--blocks", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16, help="blocks per round trip")
-    p.add_argument("--block-bytes", type=int, default=2 * 16 * 3 * 64 * 4 * 30,
+    p.add_argument("--backends", default="file,redis", help="comma-separated: file, redis")
+    p.add_argument("--blocks", type=_positive, default=256)
+    p.add_argument("--batch", type=_positive, default=16, help="blocks per round trip")
+    p.add_argument("--block-bytes", type=_positive, default=2 * 16 * 3 * 64 * 4 * 30,
                    help="bytes of one block (default: SmolLM2-135M, float32, 16 tokens)")
     p.add_argument("--redis-url", default=None, help="an existing server (default: start one on loopback)")
     p.add_argument("--dir", default=None, help="directory of the file backend (default: a temporary one)")
-    p.add_argument("--recompute-ms-per-block", type=float, default=100.0)
+    p.add_argument("--recompute-ms-per-block", type=_positive_float, default=100.0,
+                   help="what recomputing one block costs, to compare reads with")
     p.add_argument("--json", action="store_true")
 
 
@@ -66,12 +70,11 @@ def bench_backend(url: str, a: argparse.Namespace) -> dict[str, Any]:
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from kvpool.store.server import RedisServer, find_server_binary
 
-    if a.blocks < 1 or a.batch < 1 or a.block_bytes < 1:
-        raise ValueError("blocks/batch/block_bytes: must be >= 1")
+    names = name_list("backends", a.backends, BACKENDS)
     out: dict[str, Any] = {"backends": {}}
     server = None
     try:
-        for name in [s.strip() for s in a.backends.split(",") if s.strip()]:
+        for name in names:
             if name == "file":
                 with tempfile.TemporaryDirectory(dir=a.dir) as d:
                     out["backends"]["file"] = bench_backend(f"file://{d}", a)
@@ -84,8 +87,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     server = RedisServer(binary).start()
                     url = server.url
                 out["backends"]["redis"] = bench_backend(url, a)
-            else:
-                raise ValueError(f"backends: unknown {name!r} (file, redis)")
     finally:
         if server is not None:
             server.stop()

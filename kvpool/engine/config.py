@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -213,13 +214,22 @@ class EngineConfig:
         count("max_num_seqs", 1)
         count("max_num_batched_tokens", 1, optional=True)
         count("state_retention_tokens", 0)
+        count("max_loras", 1)  # (checked here even without enable_lora: a bool passes the runner's int check)
+        count("max_lora_rank", 1)
+        if self.model is not None and (not isinstance(self.model, str | os.PathLike) or not os.fspath(self.model)):
+            raise ValueError(f"model: must be a model folder (a path) or None, got {self.model!r}")
+        d = self.kv_store_deadline_s
+        # (NaN compares false to everything: a `<= 0` check lets it through, and a NaN deadline never fires)
+        if isinstance(d, bool) or not isinstance(d, int | float) or not (math.isfinite(d) and d > 0):
+            raise ValueError(f"kv_store_deadline: must be > 0 seconds, got {d!r}")
         self.kv_cache_bytes()
         self.swap_space_bytes()
         b = self.pin_budget
         if isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b <= 1:
             raise ValueError(f"pin_budget: a fraction of the pool in [0, 1], got {b!r}")
-        if self.device is not None and not isinstance(self.device, str):
-            raise ValueError(f"device: must be a string such as 'cpu' or 'cuda', got {self.device!r}")
+        if self.device is not None and not (isinstance(self.device, str) and self.device.strip()):
+            # (an empty name would silently mean the default device; None is the way to ask for that)
+            raise ValueError(f"device: must be a string such as 'cpu' or 'cuda', or None, got {self.device!r}")
         for name in _BOOL_OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from kvpool.flags import add_flags, option
@@ -21,6 +22,13 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def _positive_float(text: str) -> float:
+    x = float(text)
+    if not (math.isfinite(x) and x > 0):  # (NaN compares false to everything: ask for what is wanted)
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return x
 
 
 @dataclass

@@ -48,6 +48,13 @@ class ServerHandle:
             self._publisher.close()
 
 
+def check_kv_events_options(endpoint: str | None, replay_endpoint: str | None) -> None:
+    """A replay socket only replays what the PUB socket published: without one it would be ignored silently."""
+    if replay_endpoint and not endpoint:
+        raise ValueError("kv_events_replay_endpoint: --kv-events-replay-endpoint needs --kv-events-endpoint "
+                         "(the replay resends published batches; none are published without it)")
+
+
 def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
           max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None,
           kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
@@ -59,6 +66,7 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
     if any(r.lora_name == name for r in engine.list_loras()):
         raise ValueError(f"lora_modules: adapter name {name!r} is the served model's name; a request's `model` "
                          f"could not tell them apart")
+    check_kv_events_options(kv_events_endpoint, kv_events_replay_endpoint)
     pin_standing(engine, pin_prefixes)  # (with no TTL: the engine keeps pins through resets and recoveries)
     async_engine = AsyncEngine(engine, max_pending=max_pending)
     metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
@@ -174,6 +182,7 @@ def pin_standing(engine: LLMEngine, prefixes: Sequence[StandingPrefix]) -> None:
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     media = media_options(args)  # checked before the model loads
     standing = read_standing_prefixes(args)
+    check_kv_events_options(args.kv_events_endpoint, args.kv_events_replay_endpoint)  # (before the model loads)
     if args.kv_events_endpoint:
         engine_kwargs = dict(engine_kwargs, enable_kv_events=True)
     if args.lora_modules:

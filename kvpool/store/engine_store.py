@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -71,7 +72,9 @@ class EngineStore:
         part of the fingerprint."""
         if kv.host is None or not (host_caches or host_pages):
             raise ValueError("kv_store: the store sits below the host tier; give the engine one (--swap-space)")
-        if deadline_s <= 0:
+        # (written so that NaN fails too: it compares false to everything, and a NaN deadline never fires)
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not (
+                math.isfinite(deadline_s) and deadline_s > 0):
             raise ValueError(f"kv_store_deadline: must be > 0 seconds, got {deadline_s}")
         self.kv = kv
         self.caches = host_caches

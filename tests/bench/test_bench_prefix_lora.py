@@ -67,5 +67,5 @@ def test_bench_prefix_alternates_the_systems_runs(chat_llama_dir: Path, capsys: 
     assert result["outputs_identical_cache_on_off"] is True
     # An unknown system is refused before any engine is built.
     assert main(["bench", "prefix", "--model", str(chat_llama_dir), "--systems", "kvpool,vllm"]) == 2
-    assert "kvpool: error: systems: unknown system 'vllm'" in capsys.readouterr().err
+    assert "kvpool: error: systems: unknown 'vllm'" in capsys.readouterr().err
     assert len(built) == 2

@@ -146,6 +146,39 @@ def test_every_switch_and_the_hash_seed_are_checked(kw: dict, message: str) -> N
     EngineConfig(hash_seed=b"\x01").validate()
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    # A bool is an int to Python: True passed the runner's check and failed inside torch.
+    (dict(max_loras=True), r"^max_loras: must be an int >= 1, got True"),
+    (dict(max_loras=0), r"^max_loras: must be an int >= 1, got 0"),
+    (dict(max_lora_rank=False), r"^max_lora_rank: must be an int >= 1, got False"),
+    (dict(model=5), r"^model: must be a model folder \(a path\) or None, got 5"),
+    (dict(model=""), r"^model: must be a model folder"),
+    # NaN passed `deadline <= 0`, and a NaN deadline never fires: requests waited on every store read.
+    (dict(kv_store_deadline_s=float("nan")), r"^kv_store_deadline: must be > 0 seconds, got nan"),
+    (dict(kv_store_deadline_s=float("inf")), r"^kv_store_deadline: must be > 0 seconds, got inf"),
+    (dict(kv_store_deadline_s=0), r"^kv_store_deadline: must be > 0 seconds, got 0"),
+    (dict(kv_store_deadline_s="2"), r"^kv_store_deadline: must be > 0 seconds, got '2'"),
+    # An empty device name silently meant the default device.
+    (dict(device=""), r"^device: must be a string such as 'cpu' or 'cuda', or None, got ''"),
+])
+def test_lora_counts_the_model_the_deadline_and_the_device_are_checked(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw).validate()
+
+
+def test_good_lora_counts_model_deadline_and_device_pass(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    EngineConfig(max_loras=2, max_lora_rank=8, model=tmp_path, kv_store_deadline_s=0.5, device="cpu").validate()
+    EngineConfig(model="some/folder", kv_store_deadline_s=3).validate()
+
+
+def test_a_nan_store_deadline_is_refused_by_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before the model loads (the engine validates its config first)."""
+    from kvpool.cli import main
+
+    assert main(["generate", "--kv-store-deadline", "nan", "hi"]) == 2
+    assert "kvpool: error: kv_store_deadline: must be > 0 seconds, got nan" in capsys.readouterr().err
+
+
 def test_an_eviction_policy_is_a_name_or_a_policy() -> None:
     from kvpool.core.eviction import LRUPolicy, make_policy
 

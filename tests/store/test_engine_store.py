@@ -203,3 +203,16 @@ print("queued", llm.engine.store.tier.blocks_written)
     queued = int(out.stdout.split()[-1])
     assert queued > 0
     assert len([p for p in (tmp_path / "store").rglob("*") if p.is_file()]) == queued
+
+
+@pytest.mark.parametrize("deadline", [float("nan"), -1.0, 0, True])
+def test_the_store_refuses_a_deadline_that_would_never_fire(deadline: float, tmp_path: Path) -> None:
+    """Checked by the store itself too (for callers that build it without the engine's config): a NaN
+    deadline passed `<= 0` and never fired, so requests waited on every store read."""
+    from types import SimpleNamespace
+
+    from kvpool.store.engine_store import EngineStore
+
+    kv = SimpleNamespace(host=object())  # (the deadline is checked before the tiers are looked at)
+    with pytest.raises(ValueError, match=r"^kv_store_deadline: must be > 0 seconds, got "):
+        EngineStore(f"file://{tmp_path}", kv, [object()], tmp_path, 16, deadline_s=deadline)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""The bench commands refuse bad flags before they run anything (no model loads, no request is sent): a count
+of 0, an empty or unknown list of systems or backends, an unusable length span, a negative or NaN break-even,
+a result folder that cannot be written. Each refusal names the flag, with no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench import multiturn
+from kvpool.bench.report import format_table
+from kvpool.cli import build_parser, main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "store", "--backends", ""], "backends: name at least one of file, redis"),
+    (["bench", "store", "--backends", "file,tape"], "backends: unknown 'tape'"),
+    (["bench", "prefix", "--systems", ","], "systems: name at least one of kvpool, "),
+    (["bench", "multiturn", "--systems", ","], "systems: name at least one of no-cache, "),
+    (["bench", "cluster", "--systems", ","], "systems: name at least one of round-robin, "),
+])
+def test_an_empty_or_unknown_list_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+                                             ) -> None:
+    assert main(argv) == 2
+    assert f"kvpool: error: {message}" in capsys.readouterr().err
+
+
+def test_multiturn_checks_every_system_before_running_one(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    ran: list[str] = []
+    monkeypatch.setattr(multiturn, "run_system", lambda n, *_: ran.append(n) or ({}, []))
+    assert main(["bench", "multiturn", "--systems", "device,bogus:bfloat16"]) == 2
+    assert "kvpool: error: systems: unknown 'bogus:bfloat16'" in capsys.readouterr().err
+    assert ran == []  # the `device` system did not run first
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["bench", "prefix", "--runs", "0"], "--runs"),
+    (["bench", "prefix", "--groups", "0"], "--groups"),
+    (["bench", "prefix", "--questions", "0"], "--questions"),
+    (["bench", "prefix", "--system-len", "0"], "--system-len"),
+    (["bench", "prefix", "--hf-batch-size", "0"], "--hf-batch-size"),
+    (["bench", "multiturn", "--concurrency", "0"], "--concurrency"),
+    (["bench", "multiturn", "--turns", "0"], "--turns"),
+    (["bench", "multiturn", "--conversations", "0"], "--conversations"),
+    (["bench", "multiturn", "--user-len", "x"], "--user-len"),
+    (["bench", "multiturn", "--answer-len", "9:3"], "--answer-len"),
+    (["bench", "cluster", "--user-len", "0:4"], "--user-len"),
+    (["bench", "store", "--recompute-ms-per-block", "-5"], "--recompute-ms-per-block"),
+    (["bench", "store", "--recompute-ms-per-block", "nan"], "--recompute-ms-per-block"),
+    (["bench", "store", "--blocks", "0"], "--blocks"),
+])
+def test_a_bad_count_is_refused_as_it_is_parsed(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+                                                ) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_good_spans_and_counts_parse() -> None:
+    a = build_parser().parse_args(["bench", "multiturn", "--user-len", "8", "--answer-len", "4:6", "--turns", "2"])
+    assert (a.user_len, a.answer_len, a.turns) == ("8", "4:6", 2)
+    a = build_parser().parse_args(["bench", "store", "--recompute-ms-per-block", "0.5"])
+    assert a.recompute_ms_per_block == 0.5
+
+
+@pytest.mark.parametrize("where", ["missing", "a file"])
+def test_bench_serve_checks_the_result_dir_before_the_load_test(where: str, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Found after the load test, a bad folder lost the result; nothing listens on port 9 here, and the
+    refusal comes before any request is sent."""
+    target = tmp_path / "nope"
+    if where == "a file":
+        target.write_text("")
+    assert main(["bench", "serve", "--port", "9", "--num-prompts", "1", "--save-result",
+                 "--result-dir", str(target)]) == 2
+    assert f"kvpool: error: result_dir: {str(target)!r} is not a directory" in capsys.readouterr().err
+
+
+def test_a_table_may_have_no_rows() -> None:
+    assert format_table(["a", "bee"], []).splitlines() == ["a  bee", "-  ---"]
