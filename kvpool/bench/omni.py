@@ -28,16 +28,12 @@ import torch
 
 from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import generated_shared_prefix
-from kvpool.server.options import _positive
+from kvpool.server.options import _positive, at_least
 
 PATCH = 4  # the vision tower's patch side (the image side must be a multiple of it)
 
 
-def _count(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+_count = at_least(0)
 
 
 def _image_size(text: str) -> int:

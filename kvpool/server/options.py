@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.flags import add_flags, option
@@ -17,11 +18,19 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def at_least(lowest: int) -> Callable[[str], int]:
+    """An argparse type: an int no less than `lowest`."""
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {n}")
+        return n
+
+    parse.__name__ = "int"  # (argparse names the type in its "invalid int value" message)
+    return parse
+
+
+_positive = at_least(1)
 
 
 def _positive_float(text: str) -> float:

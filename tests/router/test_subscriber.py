@@ -66,10 +66,9 @@ def test_catch_up_live_and_restart() -> None:
         pub.close()
 
 
-def test_a_restart_before_any_live_batch_is_seen() -> None:
-    """The router caught up by replay (next batch 3) and the replica restarted before sending a live batch:
-    the new stream's batches 0 and 1 are below 3, yet they are not the replayed ones. The replay's end
-    marker tells the publisher's id, which changed, so the old blocks go and the new ones are indexed."""
+def caught_up_then_restarted() -> tuple[KVEventPublisher, PrefixIndex, EventSubscriber]:
+    """A router that caught up by replay on batches 0..2 (next 3), then its replica restarted: the new
+    publisher on the same endpoints (its stream numbered from 0 again, its id a new one)."""
     pub, pub_ep, replay_ep = publisher()
     for i in range(3):
         pub.publish(stored(bytes([i])))
@@ -78,9 +77,22 @@ def test_a_restart_before_any_live_batch_is_seen() -> None:
     sub = EventSubscriber("r", pub_ep, ix, replay_endpoint=replay_ep).start()
     try:
         wait_for(lambda: ix.num_blocks("r") == 3 and sub.next_seq == 3)
+    except BaseException:
+        sub.stop()
+        raise
+    finally:
         pub.close()
-        pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep)
-        pub.bind()
+    pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep)
+    pub.bind()
+    return pub, ix, sub
+
+
+def test_a_restart_before_any_live_batch_is_seen() -> None:
+    """The router caught up by replay (next batch 3) and the replica restarted before sending a live batch:
+    the new stream's batches 0 and 1 are below 3, yet they are not the replayed ones. The replay's end
+    marker tells the publisher's id, which changed, so the old blocks go and the new ones are indexed."""
+    pub, ix, sub = caught_up_then_restarted()
+    try:
         time.sleep(0.7)  # the SUB connection is up again
         pub.publish(stored(b"\x20"))
         pub.publish(stored(b"\x21"))
@@ -97,17 +109,8 @@ def test_a_restart_seen_only_as_a_gap_is_a_restart() -> None:
     """The restarted replica published batches 0..4 before the router's SUB connected again (they are lost),
     then batch 5: a gap after 3, not a step back. The gap's replay comes from another publisher id, so the
     index is rebuilt from the new replica's batches alone, not patched onto the old one's."""
-    pub, pub_ep, replay_ep = publisher()
-    for i in range(3):
-        pub.publish(stored(bytes([i])))
-    time.sleep(0.2)
-    ix = PrefixIndex()
-    sub = EventSubscriber("r", pub_ep, ix, replay_endpoint=replay_ep).start()
+    pub, ix, sub = caught_up_then_restarted()
     try:
-        wait_for(lambda: ix.num_blocks("r") == 3 and sub.next_seq == 3)
-        pub.close()
-        pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep)
-        pub.bind()
         for i in range(5):  # at once: the SUB has not reconnected yet, so PUB drops them
             pub.publish(stored(bytes([0x20 + i])))
         time.sleep(0.7)
