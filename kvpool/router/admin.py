@@ -2,12 +2,13 @@
 
 A request may land on any replica, so a prefix pinned through the router is pinned on every healthy
 replica, and the router answers with a pin of its own (`rpin-...`) that names each replica's pin.
-All or nothing, as a single server's pin is: if a replica refuses (over its budget, a prompt it
+All or nothing, as a single server's pin is: if a replica refuses (a 4xx: over its budget, a prompt it
 rejects, a wrong API key), the pins already made on the others are deleted and that replica's own
-error is the answer. A replica that is down or cannot be reached is left out and named in `missing` (a
-pin is a hint to keep blocks, so the healthy replicas keep theirs). `DELETE /v1/pins/{id}` unpins it
-everywhere; `GET /v1/pins` lists the router's pins. The router holds no API key of its own: every
-admin request is forwarded with the client's Authorization header, and a replica's 401 is the answer.
+error is the answer. A replica that is down, cannot be reached or fails (a 5xx) is left out and named in
+`missing` (a pin is a hint to keep blocks, so the healthy replicas keep theirs), and pinned again later.
+`DELETE /v1/pins/{id}` unpins it everywhere; `GET /v1/pins` lists the router's pins. The router holds no
+API key of its own: every admin request is forwarded with the client's Authorization header, and a
+replica's 401 is the answer.
 
 Pins are kept, not only made: while any live, the router checks every healthy replica's pins once a
 second (`PIN_CHECK_S`) and pins again, with the TTL that is left, wherever one is absent: on a
@@ -177,12 +178,19 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         sent_at = time.monotonic()
         results = await each("POST", "/v1/pins", forward_headers(request), raw)
         made = {n: r.json() for n, r in results if r is not None and r.status_code == 200}  # kvpool's pin objects
-        refusals = [r for _, r in results if r is not None and r.status_code != 200]
+        # A 4xx is the replica's answer to the pin (its budget, the prompt, the key): all or nothing, as on one
+        # server. A 5xx is a fault of that replica (its engine failed the step, or stopped): like a replica
+        # down, it goes into `missing` and is pinned again once it answers, rather than failing the pin the
+        # healthy replicas hold.
+        refusals = [r for _, r in results if r is not None and r.status_code != 200 and r.status_code < 500]
         if refusals or not made:
             # All or nothing: undo what the others pinned.
             await each("DELETE", "/v1/pins/", forward_headers(request), only={n: p["id"] for n, p in made.items()})
             if refusals:
                 return _relay(refusals[0])
+            faults = [r for _, r in results if r is not None and r.status_code >= 500]
+            if faults:
+                return _relay(faults[0])
             raise APIError(503, "no replica is healthy")
         first = next(iter(made.values()))
         # No later than any replica's own expiry (each counted its TTL from when it pinned, after

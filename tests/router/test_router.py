@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import fail_first_step
 from replicas import free_port, start_front, start_replica, wait_until
 from server_helpers import leave_early, make_engine, metric
 
@@ -333,6 +334,32 @@ def test_a_pin_one_replica_refuses_is_undone_on_the_others(chat_llama_dir: Path,
         for h, _ in reps:
             assert httpx.get(f"{h.url}/v1/pins").json()["data"] == []
         assert httpx.get(f"{front.url}/v1/pins").json()["data"] == []
+    finally:
+        front.stop()
+        for h, _ in reps:
+            h.stop()
+
+
+def test_a_replica_failing_the_pin_is_missing_not_a_refusal(chat_llama_dir: Path, chat_tokenizer: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica whose engine fails the step computing the prefix answers 503: a fault of that replica, not
+    an answer to the pin. The healthy replica keeps its pin, the failing one is `missing`, and once its engine
+    has recovered the keeper pins it there too."""
+    monkeypatch.setattr(admin, "PIN_CHECK_S", 0.1)
+    reps = [start_replica(chat_llama_dir, events=False) for _ in range(2)]
+    (ok, _), (failing, _) = reps
+    front = start_front([s for _, s in reps], chat_tokenizer)
+    try:
+        wait_until(lambda: all(r.healthy for r in front.router.replicas.values()))
+        fail_first_step(failing.engine.engine)
+        r = httpx.post(f"{front.url}/v1/pins", json={"prompt": list(range(5000, 5000 + 16 * 2 + 1)), "ttl": 600},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        pin = r.json()
+        assert list(pin["replicas"]) == [ok.url] and pin["missing"] == [failing.url]
+        assert [p["id"] for p in httpx.get(f"{ok.url}/v1/pins").json()["data"]] == [pin["replicas"][ok.url]]
+        again = wait_until(lambda: httpx.get(f"{failing.url}/v1/pins").json()["data"], timeout=20.0)
+        assert len(again) == 1 and again[0]["num_blocks"] == 2
     finally:
         front.stop()
         for h, _ in reps:
