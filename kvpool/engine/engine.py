@@ -111,8 +111,16 @@ class LLMEngine:
         self.loras = (LoRARegistry(self.runner.enable_lora(config.max_loras, config.max_lora_rank))
                       if config.enable_lora else None)
         bs = config.block_size
-        self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
-        self.max_model_len = self._longest_fitting_request(self.max_model_len)
+        asked = config.max_model_len
+        if asked is not None and asked > self.runner.max_model_len:
+            # (Quietly capping would leave a user who set it believing requests that long are served.)
+            raise ValueError(f"max_model_len: {asked} is more than the model's context of {self.runner.max_model_len} "
+                             "tokens")
+        self.max_model_len = self._longest_fitting_request(asked or self.runner.max_model_len)
+        if asked is not None and self.max_model_len < asked:
+            raise ValueError(f"max_model_len: a request of {asked} tokens does not fit the KV cache alone "
+                             f"({self.runner.num_blocks} blocks hold at most {self.max_model_len}); raise "
+                             "kv_cache_memory or lower max_model_len")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Unchunked, a prompt (or a preempted request's prompt and output) must fit one step, or it
             # would wait for ever: the longest request the engine takes is one step's budget.
