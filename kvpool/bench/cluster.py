@@ -92,9 +92,11 @@ class Replica:
                  name: str, extra: tuple[str, ...] = ()) -> None:
         self.port, self.pub, self.replay = _free_port(), _free_port(), _free_port()
         bpb = _bytes_per_block(model_dir, a.dtype)
+        # 4096 tokens, or the model's context where it is shorter (a longer max_model_len is an error).
+        context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 4096
         cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--model", str(model_dir), "--dtype", a.dtype,
                "--port", str(self.port), "--kv-cache-memory", str(num_blocks * bpb), "--served-model-name", "m",
-               "--max-model-len", "4096", "--max-num-batched-tokens", "1024",
+               "--max-model-len", str(min(4096, context)), "--max-num-batched-tokens", "1024",
                "--kv-events-endpoint", f"tcp://127.0.0.1:{self.pub}",
                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{self.replay}"]
         if host_blocks:

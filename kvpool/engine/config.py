@@ -101,7 +101,7 @@ class SchedulerConfig:
     max_num_seqs: int = option(64, "sequences in one step at most")
     enable_chunked_prefill: bool = True
     max_model_len: int | None = option(None, "longest request, prompt and output (default: the model's, "
-                                       "capped by what the KV cache holds; set above either, an error)", type=int)
+                                       "capped by what the KV cache holds; above the model's, an error)", type=int)
 
 
 @dataclass

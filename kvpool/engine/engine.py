@@ -118,9 +118,10 @@ class LLMEngine:
                              "tokens")
         self.max_model_len = self._longest_fitting_request(asked or self.runner.max_model_len)
         if asked is not None and self.max_model_len < asked:
-            raise ValueError(f"max_model_len: a request of {asked} tokens does not fit the KV cache alone "
-                             f"({self.runner.num_blocks} blocks hold at most {self.max_model_len}); raise "
-                             "kv_cache_memory or lower max_model_len")
+            # (Lowered, not refused: the pool's bound depends on the block size and the step budget, which a
+            # caller sets beside it; a longer request is then refused with both numbers in its error.)
+            log.warning("max_model_len: %d tokens, not %d: a request must fit the KV cache alone (%d blocks)",
+                        self.max_model_len, asked, self.runner.num_blocks)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Unchunked, a prompt (or a preempted request's prompt and output) must fit one step, or it
             # would wait for ever: the longest request the engine takes is one step's budget.

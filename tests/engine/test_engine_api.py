@@ -206,16 +206,16 @@ def test_without_chunked_prefill_every_request_fits_one_step(tiny_llama_dir: Pat
         LLM(str(tiny_llama_dir), max_model_len=32, **kw)  # type: ignore[arg-type]
 
 
-def test_a_max_model_len_the_model_or_the_pool_cannot_hold_is_refused(tiny_llama_dir: Path) -> None:
-    """Set by the user, max_model_len is a promise that requests that long are served: past the model's context
-    or past what the pool holds for one request it is a ValueError, not quietly lowered (unset, it is derived)."""
+def test_a_max_model_len_past_the_model_is_refused_past_the_pool_lowered(tiny_llama_dir: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Past the model's context, max_model_len is a ValueError (quietly capped, a user who set it would believe
+    such requests are served); past what the pool holds for one request, it is lowered, with a warning."""
     kw = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=16, block_size=4)
     derived = LLM(str(tiny_llama_dir), **kw).engine.max_model_len  # type: ignore[arg-type]
     assert derived == 15 * 4  # 15 usable blocks of 4 tokens (block 0 is the null block)
-    assert LLM(str(tiny_llama_dir), max_model_len=derived, **kw).engine.max_model_len == derived  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^max_model_len: a request of 61 tokens does not fit the KV cache alone "
-                                         r"\(16 blocks hold at most 60\)"):
-        LLM(str(tiny_llama_dir), max_model_len=derived + 1, **kw)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="kvpool.engine.engine"):
+        assert LLM(str(tiny_llama_dir), max_model_len=derived + 1, **kw).engine.max_model_len == derived  # type: ignore[arg-type]
+    assert "max_model_len: 60 tokens, not 61: a request must fit the KV cache alone (16 blocks)" in caplog.text
     with pytest.raises(ValueError, match=r"^max_model_len: 1000000 is more than the model's context of \d+ tokens"):
         LLM(str(tiny_llama_dir), max_model_len=10**6, **kw)  # type: ignore[arg-type]
 
