@@ -39,7 +39,8 @@ def publisher(**kw: Any) -> tuple[KVEventPublisher, str, str]:
     return pub, pub_ep, replay_ep
 
 
-def test_catch_up_live_and_restart() -> None:
+def caught_up() -> tuple[KVEventPublisher, PrefixIndex, EventSubscriber]:
+    """A replica that published batches 0..2, and a router started after them that learned them by replay."""
     pub, pub_ep, replay_ep = publisher()
     for i in range(3):
         pub.publish(stored(bytes([i])))
@@ -47,15 +48,30 @@ def test_catch_up_live_and_restart() -> None:
     ix = PrefixIndex()
     sub = EventSubscriber("r", pub_ep, ix, replay_endpoint=replay_ep).start()
     try:
-        wait_for(lambda: ix.num_blocks("r") == 3)  # learned through the replay
+        wait_for(lambda: ix.num_blocks("r") == 3 and sub.next_seq == 3)
+    except BaseException:
+        sub.stop()
+        pub.close()
+        raise
+    return pub, ix, sub
+
+
+def restarted(pub: KVEventPublisher) -> KVEventPublisher:
+    """The replica restarts: a new publisher on the same endpoints (numbering from 0 again, a new id)."""
+    pub.close()
+    new = KVEventPublisher(pub.endpoint, replay_endpoint=pub.replay_endpoint)
+    new.bind()
+    return new
+
+
+def test_catch_up_live_and_restart() -> None:
+    pub, ix, sub = caught_up()
+    try:
         time.sleep(0.3)  # the SUB connection is up
         pub.publish(stored(b"\x09"))
         wait_for(lambda: ix.num_blocks("r") == 4)
         assert sub.batches == 4 and sub.restarts == 0
-        # The replica restarts: a new publisher on the same endpoints, numbering from 0 again.
-        pub.close()
-        pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep)
-        pub.bind()
+        pub = restarted(pub)
         time.sleep(0.5)
         pub.publish(stored(b"\x20"))
         wait_for(lambda: sub.restarts == 1)
@@ -67,24 +83,9 @@ def test_catch_up_live_and_restart() -> None:
 
 
 def caught_up_then_restarted() -> tuple[KVEventPublisher, PrefixIndex, EventSubscriber]:
-    """A router that caught up by replay on batches 0..2 (next 3), then its replica restarted: the new
-    publisher on the same endpoints (its stream numbered from 0 again, its id a new one)."""
-    pub, pub_ep, replay_ep = publisher()
-    for i in range(3):
-        pub.publish(stored(bytes([i])))
-    time.sleep(0.2)
-    ix = PrefixIndex()
-    sub = EventSubscriber("r", pub_ep, ix, replay_endpoint=replay_ep).start()
-    try:
-        wait_for(lambda: ix.num_blocks("r") == 3 and sub.next_seq == 3)
-    except BaseException:
-        sub.stop()
-        raise
-    finally:
-        pub.close()
-    pub = KVEventPublisher(pub_ep, replay_endpoint=replay_ep)
-    pub.bind()
-    return pub, ix, sub
+    """A router that caught up by replay on batches 0..2 (next 3), then its replica restarted."""
+    pub, ix, sub = caught_up()
+    return restarted(pub), ix, sub
 
 
 def test_a_restart_before_any_live_batch_is_seen() -> None:
