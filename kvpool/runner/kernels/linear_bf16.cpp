@@ -61,17 +61,6 @@ at::Tensor pack_linear_bf16(const at::Tensor& w) {
 
 #ifdef KVPOOL_AVX512_BF16
 
-// The pair of x's row at `pair`; an odd K's last pair is (x[K-1], 0) so that no load passes the row's end.
-inline __m512bh pair_of(const uint16_t* row, int64_t pair, int64_t k) {
-  int32_t v;
-  if (2 * pair + 1 < k) {
-    std::memcpy(&v, row + 2 * pair, 4);
-  } else {
-    v = row[2 * pair];
-  }
-  return (__m512bh)_mm512_set1_epi32(v);
-}
-
 // One register tile: ROWS rows x GROUPS * 16 columns over all of K, then rounded to bf16 and stored
 // (the first `cols` columns; the rest of a padded group is not written). `prefetch`: a whole panel of
 // weights to ask into L2 meanwhile, line by line as this tile reads its own, or null.
@@ -105,7 +94,8 @@ void tile(const uint16_t* x, int64_t k, const uint16_t* w, int64_t pairs, const 
     for (int g = 0; g < GROUPS; ++g)
       b[g] = (__m512bh)_mm512_loadu_si512(w + g * group_stride + whole * kGroup * 2);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512bh a = pair_of(x + r * k, whole, k);
+      // An odd K's last pair is (x[K-1], 0): read as one element, so that no load passes the row's end.
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * k + k - 1]));
       for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, b[g]);
     }
   }
