@@ -45,6 +45,7 @@ import httpx
 from kvpool.bench.multiturn import arrival_order, conversations, span_flag, take_idle
 from kvpool.bench.plots import plot_path, ttft_per_turn
 from kvpool.bench.report import emit, format_table, name_list
+from kvpool.server.options import _positive
 
 SYSTEMS = ("round-robin", "round-robin+store", "router", "router+store", "ceiling")
 
@@ -52,9 +53,9 @@ SYSTEMS = ("round-robin", "round-robin+store", "router", "router+store", "ceilin
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--conversations", type=_positive, default=8)
+    p.add_argument("--turns", type=_positive, default=4)
+    p.add_argument("--concurrency", type=_positive, default=4, help="requests in flight")
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--user-len", type=span_flag, default="32:64", help="min:max tokens of a user message")
     p.add_argument("--answer-len", type=span_flag, default="8:16", help="min:max tokens of an answer")
@@ -381,8 +382,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
     plot_path(a.plot)
     names = name_list("systems", a.systems, SYSTEMS)
-    if a.conversations < 1 or a.turns < 1 or a.concurrency < 1:
-        raise ValueError("conversations/turns/concurrency: must be >= 1")
     model_dir = resolve_model(a.model)
     system, convs = conversations(a)
     working_set = sum(-(-(a.system_len + sum(len(u) + len(x) for u, x in c)) // 16) for c in convs) + 16

@@ -47,6 +47,7 @@ def test_multiturn_checks_every_system_before_running_one(monkeypatch: pytest.Mo
     (["bench", "multiturn", "--user-len", "x"], "--user-len"),
     (["bench", "multiturn", "--answer-len", "9:3"], "--answer-len"),
     (["bench", "cluster", "--user-len", "0:4"], "--user-len"),
+    (["bench", "cluster", "--concurrency", "0"], "--concurrency"),
     (["bench", "store", "--recompute-ms-per-block", "-5"], "--recompute-ms-per-block"),
     (["bench", "store", "--recompute-ms-per-block", "nan"], "--recompute-ms-per-block"),
     (["bench", "store", "--blocks", "0"], "--blocks"),
