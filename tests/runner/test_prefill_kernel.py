@@ -342,6 +342,29 @@ def test_fp32_queries_over_narrow_caches_are_the_fp32_kernel_over_the_widened_ca
             assert not got.isnan().any() and torch.equal(got, want), (name, window)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_nan_in_a_seen_value_reads_as_nan(kv_dtype) -> None:
+    """e4m3fn has no infinities and one NaN per sign (every exponent and mantissa bit set): the kernel must
+    read it as NaN, not as 480 (what the bits shifted into fp16's places mean), as torch's widening does.
+    Rows that see the value become NaN there; the other sequence's rows stay finite and exact."""
+    if not kernels.prefill_supported(64, 16, torch.float32):
+        pytest.skip("this CPU lacks what the fp32 prefill kernel needs")
+    _, kc, vc, tables, lens, _, _ = grouped_scenario([(0, [40]), (0, [33])], dtype=kv_dtype)
+    for sign in (0x00, 0x80):
+        vc.view(torch.uint8)[1, tables[0, 1], 3, 5] = 0x7F | sign  # sequence 0's value 19, kv head 1
+        assert vc[1, tables[0, 1], 3, 5].float().isnan()
+        qp = torch.randn(30, 9, 64, generator=torch.Generator().manual_seed(5))
+        qs, ql = torch.tensor([0, 20]), torch.tensor([20, 10])
+        got, want = (kernels.paged_prefill_attention()(qp, *kv, qs, ql, lens, tables, 0, 0.125, torch.empty_like(qp),
+                                                       False) for kv in ((kc, vc), (kc.float(), vc.float())))
+        # Sequence 0's queries are its positions 20..39, all after key 19: element 5 of kv head 1's query heads
+        # (3..5) is NaN for every one of them, and nothing else is.
+        nan = torch.zeros_like(got, dtype=torch.bool)
+        nan[:20, 3:6, 5] = True
+        assert torch.equal(got.isnan(), nan) and torch.equal(want.isnan(), nan)
+        assert torch.equal(got[~nan], want[~nan])
+
+
 @pytest.mark.parametrize("kv_dtype", NARROW)
 def test_write_kv_rounds_fp32_into_narrow_caches_as_round_to_does(kv_dtype) -> None:
     """As torch's `.to()` rounds, past the dtype's range saturated (`round_to`): bit for bit, subnormals,

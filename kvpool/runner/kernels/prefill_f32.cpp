@@ -113,13 +113,17 @@ inline __m256 load8(const c10::Float8_e5m2* p) {
 // fp8 e4m3: its exponent and mantissa bits shifted into an fp16's places read as the value times 2^-8 (fp16's
 // exponent bias is 15, e4m3's 7), subnormals included (they are fp16 subnormals there too); times 256 is
 // exact. The shift is one arithmetic shift of the byte at the top of its 16-bit lane, which copies the sign
-// into bit 14 as well; the mask clears that copy. (0x7f, e4m3fn's NaN, would read as 480; kvpool's
-// saturating writes never store it from a number.)
+// into bit 14 as well; the mask clears that copy. e4m3fn has no infinities: its NaN (0x7f, 0xff: every
+// exponent and mantissa bit set) would read as 480, so those lanes become an fp16 NaN instead (kvpool's
+// saturating writes store it only from a NaN).
 inline __m256 load8(const c10::Float8_e4m3fn* p) {
 #ifdef __F16C__
   const __m128i top = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bits = _mm_set1_epi16(0x7f00);
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(top, bits), bits);
   const __m128i half = _mm_and_si128(_mm_srai_epi16(top, 1), _mm_set1_epi16(static_cast<int16_t>(0xbfff)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+  const __m128i fp16 = _mm_blendv_epi8(half, _mm_set1_epi16(0x7e00), nan);
+  return _mm256_mul_ps(_mm256_cvtph_ps(fp16), _mm256_set1_ps(256.0f));
 #else
   return load8_scalar(p);
 #endif
