@@ -123,6 +123,11 @@ class AsyncEngine:
         self._last_token_time: dict[str, float] = {}  # engine thread only
         self._pending = 0  # requests submitted and not yet finished or aborted
         self._pending_lock = threading.Lock()
+        # Held while an item goes into the inbox and while the stopping engine thread closes it: an item put
+        # after the thread's last look at the inbox would wait there forever (a request hung, not refused).
+        self._inbox_lock = threading.Lock()
+        self._closed = False
+        self._aborted: list[RequestOutput] = []  # engine thread only: aborts for the next step report
         self._listeners: list[StepListener] = []
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -141,6 +146,8 @@ class AsyncEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        with self._inbox_lock:
+            self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
         self._thread.start()
 
@@ -215,7 +222,15 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (on the engine thread, before its next step)."""
-        self._inbox.put(("abort", request_id))
+        with contextlib.suppress(EngineDeadError):  # (a stopped engine holds no request)
+            self._put(("abort", request_id))
+
+    def _put(self, item: Any) -> None:
+        """Into the inbox, unless the engine thread has stopped reading it (EngineDeadError)."""
+        with self._inbox_lock:
+            if self._closed:
+                raise EngineDeadError("the engine is not running")
+            self._inbox.put(item)
 
     # -- caller side (any thread with a running event loop) --------------------------------------------
 
@@ -236,7 +251,11 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")
             self._pending += 1
         stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
-        self._inbox.put(("add", req, stream))
+        try:
+            self._put(("add", req, stream))
+        except EngineDeadError:  # (it stopped while the prompt was being tokenized)
+            self._done(req.request_id)
+            raise
         return stream
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -248,7 +267,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        self._put(("call", fn, fut))
         return fut
 
     # -- engine thread ---------------------------------------------------------------------------------
@@ -297,15 +316,22 @@ class AsyncEngine:
         self._unreported = True
 
     def _fail_all(self, dead: EngineDeadError) -> None:
-        for stream in self._streams.values():
+        for rid, stream in self._streams.items():
             stream.push(dead)
+            self._done(rid)
+            # Its blocks go back too: an engine started again must not run it for nobody, holding them.
+            with contextlib.suppress(Exception):  # (after a failed step the engine may be in any state)
+                self.engine.abort_request(rid)
         self._streams.clear()
+        with self._inbox_lock:  # nothing goes in after this: callers get EngineDeadError instead
+            self._closed = True
         while True:  # whatever arrived after the last drain
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if item is not _STOP and item[0] == "add":
+                self._done(item[1].request_id)
                 item[2].push(dead)
             elif item is not _STOP and item[0] == "call":
                 item[2].set_exception(dead)
@@ -332,7 +358,9 @@ class AsyncEngine:
                 self._streams[req.request_id] = stream
             elif kind == "abort":
                 if self._streams.pop(item[1], None) is not None:
-                    self.engine.abort_request(item[1])
+                    out = self.engine.abort_request(item[1])
+                    if out is not None and self._listeners:  # (reported with the requests finished)
+                        self._aborted.append(out)
                     self._done(item[1])
                     self._unreported = True
             elif kind == "call":
@@ -385,9 +413,10 @@ class AsyncEngine:
         totals = (st.num_generation_tokens, st.num_preemptions, st.num_blocks_swapped_out, st.num_blocks_swapped_in)
         d = [a - b for a, b in zip(totals, self._last_stats, strict=True)]
         self._last_stats = totals
+        aborted, self._aborted = self._aborted, []
         return StepReport(num_running=st.num_running, num_waiting=st.num_waiting, kv_usage=st.kv_usage,
                           host_usage=st.host_usage,
                           prefix_queries=pc.queries, prefix_hits=pc.hits, host_hits=pc.host_hits,
                           generation_tokens=d[0], preemptions=d[1], blocks_swapped_out=d[2], blocks_swapped_in=d[3],
                           bytes_per_block=st.bytes_per_block,
-                          kv_events=eng.take_kv_events())
+                          kv_events=eng.take_kv_events(), finished=aborted)

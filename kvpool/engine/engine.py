@@ -426,7 +426,9 @@ class LLMEngine:
         else:
             text, ids = None, list(prompt)
         self._check_prompt_ids(ids)
-        rid = request_id if request_id is not None else str(next(self._ids))
+        rid = request_id
+        while rid is None or (request_id is None and rid in self.scheduler.requests):
+            rid = str(next(self._ids))  # (past any id a caller chose that is in use)
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
         if not isinstance(mm_inputs, list | tuple):
@@ -465,14 +467,18 @@ class LLMEngine:
             g.manual_seed(seed)
             self._generators[req.request_id] = g
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it is not running or waiting."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; its last output (finish_reason "abort"), or None if it
+        is not running or waiting."""
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         held = self.store.drop(request_id) if self.store is not None else None
         if held is not None:
             held.status = RequestStatus.FINISHED_ABORTED
+            held.metrics.finished_time = time.time()
+        stopped = req or held
+        out = self._output(stopped) if stopped is not None else None
         self._forget(request_id)
-        return req is not None or held is not None
+        return out
 
     def recover(self, pin_again: bool = True) -> None:
         """After a step raised or was interrupted (an exception, Ctrl-C): abort every request, and forget

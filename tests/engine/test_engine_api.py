@@ -76,10 +76,23 @@ def test_abort_frees_everything(llm: LLM) -> None:
     eng.step()
     eng.step()
     assert eng.kv.usage > 0
-    assert eng.abort_request(r1.request_id) is True
-    assert eng.abort_request(r1.request_id) is False
-    assert eng.abort_request(r2.request_id) is True
+    out = eng.abort_request(r1.request_id)
+    assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    assert out.request_id == r1.request_id and out.metrics.finished_time is not None
+    assert eng.abort_request(r1.request_id) is None
+    assert eng.abort_request(r2.request_id) is not None
     assert not eng.has_unfinished_requests() and eng.kv.usage == 0
+    eng.kv.check_integrity()
+
+
+def test_automatic_request_ids_skip_the_ids_callers_chose(llm: LLM) -> None:
+    eng = llm.engine
+    first = eng.add_request([1, 2, 3], SamplingParams.greedy(2))
+    chosen = eng.add_request([4, 5, 6], SamplingParams.greedy(2), request_id=str(int(first.request_id) + 1))
+    auto = eng.add_request([7, 8, 9], SamplingParams.greedy(2))
+    assert auto.request_id == str(int(first.request_id) + 2)
+    for r in (first, chosen, auto):
+        assert eng.abort_request(r.request_id) is not None
     eng.kv.check_integrity()
 
 
