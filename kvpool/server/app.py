@@ -119,6 +119,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
 
     add_error_handlers(app)
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        # Any route whose engine call finds the engine stopped (or a step failed under its request: the
+        # message says to retry): 503, not a 500 with the connection dropped.
+        return APIError(503, str(e)).response()
+
     def authorize(request: Request) -> None:
         check_api_key(request, api_key)
 
@@ -145,8 +151,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise APIError.from_value_error(e, rename) from None
         except EngineOverloadedError as e:
             raise APIError(503, f"server overloaded: {e}; retry later") from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from None
 
     async def finish(request: Request, stream: RequestStream) -> RequestOutput:
         """The final output; aborts the request if the client goes away first."""
@@ -163,8 +167,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             if not done or out is None:
                 raise ClientDisconnected
             return out
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from None
         except ValueError as e:  # refused on the engine thread when queued (e.g. a request id in use)
             raise APIError.from_value_error(e) from None
         finally:
@@ -267,8 +269,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise APIError(409, f"{e} (evicted again before it could be pinned; retry)", field) from None
         except ValueError as e:
             raise APIError.from_value_error(e, rename) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from None
 
     @app.get("/v1/pins")
     async def list_pins(request: Request) -> JSONResponse:
@@ -297,10 +297,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         authorize(request)
-        try:
-            ok = await engine.reset_prefix_cache()
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from None
+        ok = await engine.reset_prefix_cache()
         if not ok:
             raise APIError(409, "prefix cache not reset: running requests hold blocks; retry when idle")
         return JSONResponse({"reset": True})

@@ -79,7 +79,9 @@ def check_api_key(request: Request, api_key: str | None) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    # (Starlette decodes a header's bytes as latin-1: encoding them back gives the bytes the client sent,
+    # which for a key beyond ASCII are its UTF-8)
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), api_key.encode()):
         raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
 
 

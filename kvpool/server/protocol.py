@@ -9,12 +9,14 @@ template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvpool.engine.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 64  # per request (OpenAI's limit is 4; vLLM's clients send more)
 
 
 class StreamOptions(BaseModel):
@@ -95,6 +97,29 @@ class _SamplingFields(BaseModel):
     # Requests with different salts never share cached blocks: tenant isolation against timing side channels.
     cache_salt: str | None = Field(default=None, min_length=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_not_sent(cls, data: Any) -> Any:
+        # OpenAI's API reads an explicit null as the field's default, and clients that serialize every field
+        # send `"n": null`, `"stream": null`: an optional field that takes no None takes its default instead.
+        # (Where None is a value of its own, as max_tokens' "no bound", it stays.)
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()
+                    or type(None) in get_args(fields[k].annotation)}
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        # Every step searches each running request's new text for each of its stop strings, on the engine
+        # thread: thousands of them in one request would slow every other request (OpenAI takes 4).
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("stop", "at most {n} stop strings, got {got}",
+                                      {"n": MAX_STOP_STRINGS, "got": len(v)})
+        return v
+
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -169,6 +194,17 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+    # An assistant's calls of tools: the chat template gets a message's text only, so they would vanish from
+    # the prompt unseen. kvpool serves no tools (`tools` is refused too): refused, unless null or empty.
+    tool_calls: Any = None
+    function_call: Any = None
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_calls(cls, v: Any) -> Any:
+        if v is not None and v != []:
+            raise PydanticCustomError("not_supported", "not supported (kvpool serves no tools)")
+        return v
 
     def text(self) -> str:
         """The message's text (image parts left out)."""

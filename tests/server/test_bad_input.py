@@ -3,6 +3,7 @@ message naming the problem, nothing leaks, and the server answers normally after
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -15,7 +16,9 @@ import pytest
 from helpers import fail_first_step
 from server_helpers import leave_early, make_engine, metric
 
-from kvpool.engine.async_engine import StepReport
+from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, StepReport
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.server.errors import APIError, check_api_key
 from kvpool.server.serve import ServerHandle, start_server
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
@@ -51,6 +54,7 @@ CASES = [
     ("/v1/completions", body(n=3), 400, "n", "n: only n=1 is supported"),
     ("/v1/completions", body(seed="x"), 400, "seed", "seed: Input should be a valid integer"),
     ("/v1/completions", body(stop=[""]), 400, "stop", "stop: every stop string"),
+    ("/v1/completions", body(stop=["x"] * 65), 400, "stop", "stop: at most 64 stop strings, got 65"),
     ("/v1/completions", body(logprobs=3), 400, "logprobs", "logprobs: not supported"),
     ("/v1/completions", body(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
     ("/v1/completions", body(cache_salt=""), 400, "cache_salt", "cache_salt"),
@@ -59,6 +63,12 @@ CASES = [
      "messages.0.role", "messages.0.role"),
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": 5}]}).encode(), 400,
      "messages.0.content", "messages.0.content"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                              "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]}).encode(), 400, "messages.1.tool_calls",
+     "messages.1.tool_calls: not supported (kvpool serves no tools)"),
     ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 0}).encode(), 400, "max_completion_tokens",
      "max_completion_tokens: must be an int >= 1"),
     ("/v1/chat/completions", json.dumps({**CHAT, "max_completion_tokens": 10**6}).encode(), 400,
@@ -87,6 +97,23 @@ CASES = [
     ("/v1/completions", b"x" * (65 << 10), 413, None, "body:"),
     ("/v1/nothing-here", body(), 404, None, "Not Found"),
 ]
+
+
+def test_null_is_the_default_for_a_field_that_takes_no_null(server: ServerHandle) -> None:
+    """OpenAI's API reads an explicit null as "not sent" (clients that serialize every field send them); where
+    null is a value of its own (max_tokens: no bound but the context's) it keeps its meaning."""
+    nulls = dict.fromkeys(("n", "stream", "frequency_penalty", "presence_penalty", "ignore_eos",
+                           "include_stop_str_in_output", "temperature", "seed", "stop", "logprobs", "user"))
+    want = httpx.post(f"{server.url}/v1/completions", json=OK).json()["choices"][0]["text"]
+    for path, req in (("/v1/completions", {**OK, **nulls, "echo": None, "suffix": None}),
+                      ("/v1/chat/completions", {**CHAT, **nulls, "temperature": 0, "max_completion_tokens": None})):
+        r = httpx.post(f"{server.url}{path}", json=req)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    assert httpx.post(f"{server.url}/v1/completions", json={**OK, **nulls, "temperature": 0}).json()[
+        "choices"][0]["text"] == want
+    unbounded = {**OK, "max_tokens": None, "ignore_eos": True}
+    usage = httpx.post(f"{server.url}/v1/completions", json=unbounded).json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 512  # (the context's end, not the default 16)
 
 
 @pytest.mark.parametrize(("path", "raw", "status", "param", "fragment"), CASES,
@@ -136,6 +163,17 @@ def test_api_key(keyed: ServerHandle) -> None:
     assert httpx.post(f"{url}/reset_prefix_cache", headers=good).json() == {"reset": True}
     assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
     assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_an_api_key_beyond_ascii_is_matched_as_the_utf8_clients_send() -> None:
+    from starlette.requests import Request
+
+    def sent(raw: bytes) -> Request:
+        return Request({"type": "http", "headers": [(b"authorization", raw)]})
+
+    check_api_key(sent("Bearer sékret".encode()), "sékret")
+    with pytest.raises(APIError):
+        check_api_key(sent("Bearer sékret".encode("latin-1")), "sékret")
 
 
 def test_overload_is_503_and_recovers(keyed: ServerHandle) -> None:
@@ -221,8 +259,57 @@ def test_an_engine_whose_steps_keep_failing_stops(chat_llama_dir: Path) -> None:
             assert r.status_code == 503 and "kernel exploded" in r.json()["error"]["message"]
         assert httpx.get(f"{h.url}/health").status_code == 503
         assert httpx.post(f"{h.url}/v1/completions", content=body()).status_code == 503
+        # Every route that asks the engine something: a 503 body, not a 500 with the connection dropped.
+        with httpx.Client() as client:  # (one connection: it must survive every answer)
+            for method, path in (("GET", "/v1/pins"), ("DELETE", "/v1/pins/p1"), ("POST", "/v1/pins"),
+                                 ("POST", "/reset_prefix_cache")):
+                r = client.request(method, f"{h.url}{path}", json={"prompt": "hello"})
+                assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", (path, r.text)
     finally:
         h.stop()
+
+
+def test_a_request_tokenized_while_the_engine_stops_is_refused_not_left_waiting(chat_llama_dir: Path) -> None:
+    engine = make_engine(chat_llama_dir, num_blocks=32)
+    ae = AsyncEngine(engine, max_pending=1)
+    ae.start()
+    make = engine.make_request
+
+    def stop_meanwhile(*a: object, **kw: object) -> object:
+        ae.shutdown()  # the engine thread stops, its inbox read for the last time, while this prompt is tokenized
+        return make(*a, **kw)
+
+    engine.make_request = stop_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(EngineDeadError, match="not running"):
+        asyncio.run(asyncio.wait_for(ae.add_request("hello", SamplingParams.greedy(4), request_id="r"), 10))
+    assert ae.num_pending == 0 and ae.num_queued == 0
+    with pytest.raises(EngineDeadError):
+        ae.call_soon(lambda e: e.kv.usage)
+
+
+def test_shutdown_with_a_request_in_flight_frees_it(chat_llama_dir: Path) -> None:
+    """Its stream fails, and the engine drops it: no blocks held, nothing pending, and an engine started again
+    serves a new request rather than finishing the old one for nobody."""
+    engine = make_engine(chat_llama_dir, num_blocks=32)
+    free = engine.kv.get_num_free_blocks()
+    ae = AsyncEngine(engine, max_pending=1)
+    ae.start()
+
+    async def run() -> None:
+        stream = await ae.add_request("hello there", SamplingParams.greedy(200, ignore_eos=True), request_id="a")
+        await anext(stream)
+        await asyncio.to_thread(ae.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+        assert not engine.has_unfinished_requests() and engine.kv.get_num_free_blocks() == free
+        assert ae.num_pending == 0
+        ae.start()
+        out = [o async for o in await ae.add_request("hello", SamplingParams.greedy(2), request_id="b")]
+        assert out[-1].finished and len(out[-1].token_ids) == 2
+        ae.shutdown()
+
+    asyncio.run(run())
 
 
 class _Records(logging.Handler):
@@ -238,11 +325,13 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it_without_a_traceback(
     errors = _Records()
     logging.getLogger("uvicorn.error").addHandler(errors)
     generated = metric(server.url, "kvpool:generation_tokens_total")
+    aborted = metric(server.url, "kvpool:request_success_total", finished_reason="abort")
     try:
         leave_early(f"{server.url}/v1/completions", {**OK, "max_tokens": 480, "ignore_eos": True}, [server])
     finally:
         logging.getLogger("uvicorn.error").removeHandler(errors)
     assert metric(server.url, "kvpool:generation_tokens_total") - generated < 480  # stopped early
+    assert metric(server.url, "kvpool:request_success_total", finished_reason="abort") == aborted + 1
     assert not [m for m in errors.messages if "Exception in ASGI application" in m]
     assert server.engine.call_soon(lambda e: e.kv.usage).result(10) == 0.0
 
