@@ -55,7 +55,7 @@ class ServerConfig:
                                             "(e.g. tcp://127.0.0.1:5557)")
     kv_events_replay_endpoint: str | None = option(None, "answer replay requests (vLLM's ROUTER protocol) on this "
                                                    "ZeroMQ endpoint")
-    kv_events_topic: str = option("kv-events", "topic frame of each published KV event batch")
+    kv_events_topic: str | None = option(None, "topic frame of each published KV event batch (default: kv-events)")
     pin_prefix: tuple[str, ...] | None = option(
         None, "keep this prefix (text, or @FILE for a file's text without its final newline) cached on the "
         "device for as long as the server runs (computed at start; a reset computes it again); repeatable",

@@ -48,16 +48,20 @@ class ServerHandle:
             self._publisher.close()
 
 
-def check_kv_events_options(endpoint: str | None, replay_endpoint: str | None) -> None:
-    """A replay socket only replays what the PUB socket published: without one it would be ignored silently."""
+def check_kv_events_options(endpoint: str | None, replay_endpoint: str | None, topic: str | None = None) -> None:
+    """A replay socket only replays what the PUB socket published, and a topic names what it publishes:
+    without one either would be ignored silently."""
     if replay_endpoint and not endpoint:
         raise ValueError("kv_events_replay_endpoint: --kv-events-replay-endpoint needs --kv-events-endpoint "
                          "(the replay resends published batches; none are published without it)")
+    if topic is not None and not endpoint:
+        raise ValueError("kv_events_topic: --kv-events-topic needs --kv-events-endpoint (it names the published "
+                         "batches; none are published without it)")
 
 
 def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
           max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None,
-          kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
+          kv_events_replay_endpoint: str | None = None, kv_events_topic: str | None = None,
           media: MediaOptions | None = None, pin_prefixes: Sequence[StandingPrefix] = ()
           ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
     """The app and what runs it, for `engine`; `pin_prefixes` are pinned now (computed) and kept for as
@@ -66,7 +70,7 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
     if any(r.lora_name == name for r in engine.list_loras()):
         raise ValueError(f"lora_modules: adapter name {name!r} is the served model's name; a request's `model` "
                          f"could not tell them apart")
-    check_kv_events_options(kv_events_endpoint, kv_events_replay_endpoint)
+    check_kv_events_options(kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic)
     pin_standing(engine, pin_prefixes)  # (with no TTL: the engine keeps pins through resets and recoveries)
     async_engine = AsyncEngine(engine, max_pending=max_pending)
     metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
@@ -79,8 +83,8 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
     if kv_events_endpoint:
         if not engine.config.enable_kv_events:
             raise ValueError("kv_events_endpoint: the engine was built without enable_kv_events=True")
-        publisher = KVEventPublisher(kv_events_endpoint, topic=kv_events_topic,
-                                     replay_endpoint=kv_events_replay_endpoint)
+        topic = "kv-events" if kv_events_topic is None else kv_events_topic  # ("" is a topic: subscribers' all)
+        publisher = KVEventPublisher(kv_events_endpoint, topic=topic, replay_endpoint=kv_events_replay_endpoint)
         publisher.bind()
         async_engine.add_listener(publisher.observe)
     app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
@@ -182,7 +186,8 @@ def pin_standing(engine: LLMEngine, prefixes: Sequence[StandingPrefix]) -> None:
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     media = media_options(args)  # checked before the model loads
     standing = read_standing_prefixes(args)
-    check_kv_events_options(args.kv_events_endpoint, args.kv_events_replay_endpoint)  # (before the model loads)
+    check_kv_events_options(args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                            args.kv_events_topic)  # (before the model loads)
     if args.kv_events_endpoint:
         engine_kwargs = dict(engine_kwargs, enable_kv_events=True)
     if args.lora_modules:

@@ -156,3 +156,8 @@ def test_a_replay_endpoint_without_an_events_endpoint_is_refused(monkeypatch: py
     engine = SimpleNamespace(model_dir=Path("m"), list_loras=lambda: [])
     with pytest.raises(ValueError, match=r"^kv_events_replay_endpoint: .* needs --kv-events-endpoint"):
         serve_mod.build(engine, kv_events_replay_endpoint="tcp://127.0.0.1:1")  # type: ignore[arg-type]
+    # A topic alike: it names what is published.
+    assert main(["serve", "--kv-events-topic", "mine"]) == 2
+    assert "kvpool: error: kv_events_topic: --kv-events-topic needs --kv-events-endpoint" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^kv_events_topic: .* needs --kv-events-endpoint"):
+        serve_mod.build(engine, kv_events_topic="mine")  # type: ignore[arg-type]
