@@ -36,8 +36,13 @@ def make_talker(path: Path, seed: int = 0, **overrides: object) -> Path:
 
 
 def default_talker_dir(seed: int = 0) -> Path:
-    """The reference talker, generated on first use under kvpool's cache folder (keyed by config and seed)."""
-    key = hashlib.sha256(json.dumps([TALKER_CONFIG, seed], sort_keys=True).encode()).hexdigest()[:12]
+    """The reference talker, generated on first use under kvpool's cache folder, keyed by config and seed and
+    by the torch and transformers that generate it (their initialisers and random streams decide the weights:
+    after an upgrade, the folder is what this install would make, not an older one's)."""
+    import transformers
+
+    made_by = [torch.__version__, transformers.__version__]
+    key = hashlib.sha256(json.dumps([TALKER_CONFIG, seed, made_by], sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / f"omni-talker-{key}"
     if not (path / "config.json").is_file():
         path.parent.mkdir(parents=True, exist_ok=True)

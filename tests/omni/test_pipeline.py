@@ -160,3 +160,17 @@ def test_batch_invariance_is_what_makes_it_exact(tiny_llama_dir: Path, talker_di
         outs[caching] = [o for prompt in ps for o in p.generate([prompt])]
     assert any(not torch.equal(a.stage_inputs[0], b.stage_inputs[0]) for a, b in zip(outs[True], outs[False],
                                                                                        strict=True))
+
+
+def test_the_default_talker_is_keyed_by_what_generates_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torch's and transformers' initialisers decide the seeded weights: an upgrade gets a talker of its own
+    instead of an older install's folder, and the same install finds its folder again."""
+    from kvpool.omni.talker import default_talker_dir
+
+    monkeypatch.setenv("KVPOOL_CACHE", str(tmp_path))
+    first = default_talker_dir(0)
+    assert (first / "config.json").is_file() and default_talker_dir(0) == first
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".post1")
+    upgraded = default_talker_dir(0)
+    assert upgraded != first and (upgraded / "config.json").is_file()
+    assert default_talker_dir(1) not in (first, upgraded)
