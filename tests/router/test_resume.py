@@ -102,14 +102,6 @@ def test_a_replacement_that_does_not_repeat_the_text_is_refused(replacement: lis
             st.follow(p)
 
 
-def test_a_replacement_error_is_passed_on() -> None:
-    st = StreamText()
-    st.sent(completion(" Once"))
-    st.restart()
-    err = json.dumps({"error": {"message": "boom", "type": "x", "param": None, "code": 500}}).encode()
-    assert st.follow(err) == err
-
-
 def test_a_second_take_up_repeats_what_the_first_replacement_relayed() -> None:
     st = StreamText()
     st.sent(completion("Hello"))
