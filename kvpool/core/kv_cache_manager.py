@@ -156,7 +156,8 @@ class KVCacheManager:
     # -- scheduling API -------------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: CacheRequest) -> tuple[KVCacheBlocks, int]:
-        """Longest cached prefix of full blocks, never the whole prompt. Changes no block's state.
+        """Longest cached prefix of full blocks, never the whole prompt. Changes nothing: the lookup is
+        counted in the prefix cache stats when `allocate_slots` takes its blocks (the request is admitted).
 
         With a host tier the lookup continues there where the device has no copy; every group must
         accept the hit, wherever its blocks are (a host hit is never a hit one group cannot serve).
@@ -169,22 +170,22 @@ class KVCacheManager:
         if self.num_groups == 1:
             # With a host tier, the lookup goes on there where the device has no copy.
             hit = self.managers[0].find_longest_cache_hit(request.block_hashes, max_blocks)
-            num_hit = len(hit)
-            num_host = sum(1 for b in hit if b.on_host) if self.host is not None else 0
-            blocks = KVCacheBlocks((hit,))
-        else:
-            hits, request.shared_prefix_blocks = self._hybrid_hit(request.block_hashes, max_blocks)
-            num_hit = max(len(h) for h in hits)
-            blocks = KVCacheBlocks(hits)
-            # Positions some group copies from the host tier.
-            num_host = len({i for h in hits for i, b in enumerate(h) if b.on_host}) if self.host else 0
-        if num_host:
-            self.stats.host_hits += num_host * self.block_size
-            self._interval_stats.host_hits += num_host * self.block_size
-        num_hit *= self.block_size
+            return KVCacheBlocks((hit,)), len(hit) * self.block_size
+        hits, request.shared_prefix_blocks = self._hybrid_hit(request.block_hashes, max_blocks)
+        return KVCacheBlocks(hits), max(len(h) for h in hits) * self.block_size
+
+    def _record_admission(self, request: CacheRequest, hits: tuple[list[KVCacheBlock], ...], num_hit: int) -> None:
+        """The prefix cache stats of a lookup whose request was admitted (its allocation went ahead): a
+        request that waits at the head of the queue is looked up again every step, and counting every
+        lookup would inflate the hit rate a user reads (vLLM too records at admission)."""
+        num_tokens = len(request.all_token_ids)
         self.stats.record(num_tokens, num_hit)
         self._interval_stats.record(num_tokens, num_hit)
-        return blocks, num_hit
+        if self.host is not None:
+            # Positions some group copies from the host tier.
+            num_host = len({i for h in hits for i, b in enumerate(h) if b.on_host}) * self.block_size
+            self.stats.host_hits += num_host
+            self._interval_stats.host_hits += num_host
 
     def _hybrid_hit(self, block_hashes: list[bytes], max_blocks: int
                     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
@@ -269,6 +270,8 @@ class KVCacheManager:
         plan = self.block_pool.plan_groups(need, skipped, hits)
         if plan is None:
             return None
+        if new_computed_blocks is not None and self.enable_caching:
+            self._record_admission(request, hits, num_new_computed_tokens)
         # Every group releases, then every group takes its hits, then every group allocates: a group's
         # new blocks must neither miss the room another group frees nor evict another group's hit.
         for g, m in enumerate(managers):

@@ -171,6 +171,27 @@ def test_prefix_caching_off() -> None:
     mgr.check_integrity()
 
 
+def test_stats_count_a_request_once_when_admitted_not_each_lookup_while_it_waits() -> None:
+    """A request that does not fit waits at the head of the queue and is looked up again every step; the
+    hit rate counts it once, when its allocation goes ahead (with the hit it was admitted with)."""
+    bs = 4
+    mgr = KVCacheManager(6, bs)
+    a = make_request("a", list(range(12)), bs)
+    schedule(mgr, a)  # 3 blocks, no hit
+    mgr.free(a)
+    hog = make_request("hog", list(range(100, 112)), bs)
+    assert schedule(mgr, hog) is not None  # the 3 empty blocks: a's 3 stay cached
+    b = make_request("b", [*range(8), 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60], bs)
+    for _ in range(3):  # b hits a's first 2 blocks and needs 3 more, with 1 to spare: it waits
+        assert schedule(mgr, b) is None
+    assert (mgr.stats.requests, mgr.stats.queries, mgr.stats.hits) == (2, 24, 0)
+    mgr.free(hog)
+    assert schedule(mgr, b) is not None
+    assert (mgr.stats.requests, mgr.stats.queries, mgr.stats.hits) == (3, 24 + 19, 8)
+    assert mgr.take_prefix_cache_stats().requests == 3
+    mgr.check_integrity()
+
+
 def test_stats_usage_and_reset() -> None:
     bs = 4
     mgr = KVCacheManager(11, bs)
