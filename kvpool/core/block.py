@@ -11,8 +11,8 @@ BlockHash = bytes
 
 
 class KVCacheBlock:
-    __slots__ = ("block_hash", "block_id", "group_id", "is_null", "next_free", "on_host", "parent_hash", "prev_free",
-                 "ref_cnt", "token_ids")
+    __slots__ = ("block_hash", "block_id", "extra_keys", "group_id", "is_null", "lora_id", "next_free", "on_host",
+                 "parent_hash", "prev_free", "ref_cnt", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -28,10 +28,13 @@ class KVCacheBlock:
         self.group_id = 0
         # A host-tier block (a copy; never in a block table): a hit on it is a swap-in.
         self.on_host = False
-        # With KV events on: the cached block's tokens and parent hash, so a tier that later receives
-        # its content (the host tier, on eviction) can publish a complete BlockStored.
+        # With KV events on: the cached block's tokens, parent hash, LoRA and extra keys (a tuple, or None
+        # without any), so a tier that later receives its content (the host tier, on eviction) can publish
+        # a complete BlockStored.
         self.token_ids: list[int] | None = None
         self.parent_hash: BlockHash | None = None
+        self.lora_id: int | str | None = None
+        self.extra_keys: tuple[object, ...] | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash is not None else None

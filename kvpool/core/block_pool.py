@@ -177,21 +177,27 @@ class BlockPool:
                           num_full: int, block_size: int, group_id: int = 0) -> None:
         """Give blocks [num_cached, num_full) of a request their hashes and enter them in the map.
 
-        With events on, one `BlockStored` for the call (vLLM's shape): every block newly cached here in
-        chain order, duplicates of a hash already cached included, the parent being the hash of block
-        num_cached - 1, and the tokens of the whole range.
+        With events on, one `BlockStored` per run of blocks newly cached here (vLLM's shape: for a request's
+        new blocks, one for the call), duplicates of a hash already cached included: the run's hashes in
+        chain order, its tokens, and the parent being the hash of the block before it. A block already
+        cached (a device hit between swapped-in host hits) or a slot the layer type does not keep ends a
+        run: an event's tokens are always exactly its blocks'.
         """
         if num_full <= num_cached:
             return
         hashes = request.block_hashes
         cached = self.cached
-        stored: list[bytes] | None = [] if self.enable_kv_events else None
-        extra: list[tuple[object, ...] | None] = []
+        events = self.enable_kv_events
+        run = num_cached  # with events: where the current run of stored blocks starts
         observe = self._observe_cached
         for i in range(num_cached, num_full):
             blk = blocks[i]
             if blk.block_hash is not None or blk.is_null:
-                continue  # a prefix hit (already cached), or a slot this layer type does not keep
+                # A prefix hit (already cached), or a slot this layer type does not keep.
+                if events:
+                    self._stored(request, blocks, run, i, block_size, group_id)
+                    run = i + 1
+                continue
             h = hashes[i] if group_id == 0 else group_key(hashes[i], group_id)
             blk.block_hash = h
             blk.group_id = group_id
@@ -202,19 +208,27 @@ class BlockPool:
             if observe is not None:
                 parent = blocks[i - 1] if i else None
                 observe(blk, i, None if parent is None or parent.is_null else parent)
-            if stored is not None:
+            if events:
                 blk.token_ids = request.all_token_ids[i * block_size:(i + 1) * block_size]
                 blk.parent_hash = hashes[i - 1] if i else None
-                stored.append(hashes[i])
-                extra.append(block_extra_keys(request, i * block_size, (i + 1) * block_size) or None
-                             if request.has_extra_keys else None)
-        if stored is not None:
-            self.events.append(BlockStored(
-                block_hashes=stored, parent_block_hash=hashes[num_cached - 1] if num_cached else None,
-                token_ids=request.all_token_ids[num_cached * block_size:num_full * block_size],
-                block_size=block_size, lora_id=request.lora_id,
-                extra_keys=extra if any(e is not None for e in extra) else None,
-                medium=self.medium, group_id=group_id))
+                blk.lora_id = request.lora_id
+                blk.extra_keys = (block_extra_keys(request, i * block_size, (i + 1) * block_size) or None
+                                  if request.has_extra_keys else None)
+        if events:
+            self._stored(request, blocks, run, num_full, block_size, group_id)
+
+    def _stored(self, request: CacheRequest, blocks: Sequence[KVCacheBlock], lo: int, hi: int, block_size: int,
+                group_id: int) -> None:
+        """The `BlockStored` of a request's blocks [lo, hi), just cached (none if the run is empty)."""
+        if hi <= lo:
+            return
+        hashes = request.block_hashes
+        extra = [blocks[i].extra_keys for i in range(lo, hi)]
+        self.events.append(BlockStored(
+            block_hashes=list(hashes[lo:hi]), parent_block_hash=hashes[lo - 1] if lo else None,
+            token_ids=request.all_token_ids[lo * block_size:hi * block_size], block_size=block_size,
+            lora_id=request.lora_id, extra_keys=extra if any(e is not None for e in extra) else None,
+            medium=self.medium, group_id=group_id))
 
     # The policy's `on_cached` when it observes (set by pools with a policy), else None.
     _observe_cached: Callable[[KVCacheBlock, int, KVCacheBlock | None], None] | None = None

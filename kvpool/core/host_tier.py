@@ -107,12 +107,15 @@ class HostTier:
     def _stored(self, host_block: KVCacheBlock, device_block: KVCacheBlock, key: BlockHash) -> None:
         """A `BlockStored` for the host copy of `device_block`, whose key is `key`."""
         if self.enable_kv_events:
-            host_block.token_ids, host_block.parent_hash = device_block.token_ids, device_block.parent_hash
-            raw = key if device_block.group_id == 0 else key[:-1]
+            d = device_block
+            host_block.token_ids, host_block.parent_hash = d.token_ids, d.parent_hash
+            host_block.lora_id, host_block.extra_keys = d.lora_id, d.extra_keys
+            raw = key if d.group_id == 0 else key[:-1]
             self._events.append(BlockStored(
-                block_hashes=[raw], parent_block_hash=device_block.parent_hash,
-                token_ids=list(device_block.token_ids or ()), block_size=self.block_size,
-                medium=self.pools[0].medium, group_id=device_block.group_id))
+                block_hashes=[raw], parent_block_hash=d.parent_hash, token_ids=list(d.token_ids or ()),
+                block_size=self.block_size, lora_id=d.lora_id,
+                extra_keys=None if d.extra_keys is None else [d.extra_keys], medium=self.pools[0].medium,
+                group_id=d.group_id))
 
     # -- the step --------------------------------------------------------------------------------------
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 from helpers import make_request, schedule, snapshot
 
+from kvpool.core.events import BlockStored
+from kvpool.core.hashing import BlockHasher
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.kv_cache_manager import KVCacheManager
+from kvpool.core.kv_cache_spec import SlidingWindowSpec
+from kvpool.core.request import CacheRequest, MultiModalItem
 
 BS = 4
 
@@ -45,6 +49,51 @@ def test_sheltering_an_evicted_block_publishes_its_host_copy() -> None:
     assert [e.block_hashes for e in host_stored] == [[a.block_hashes[2]], [a.block_hashes[1]]]
     assert [list(e.token_ids) for e in host_stored] == [list(range(8, 12)), list(range(4, 8))]
     assert host_stored[1].parent_block_hash == a.block_hashes[0]
+    mgr.check_integrity()
+
+
+def test_a_host_copy_is_published_with_the_lora_and_extra_keys_of_its_device_block() -> None:
+    """A consumer indexing blocks by (tokens, LoRA, extra keys) must read the host copy as the block it is."""
+    mgr = KVCacheManager(4, BS, num_host_blocks=4, enable_kv_events=True)
+    a = CacheRequest("a", list(range(9)), hasher=BlockHasher(BS), lora_id=7, cache_salt="tenant-1",
+                     mm_items=[MultiModalItem("img", 4, 4)])
+    schedule(mgr, a)
+    mgr.end_schedule_step()
+    mgr.free(a)
+    schedule(mgr, make_request("b", list(range(100, 109)), BS))  # a's two blocks go to the host tier
+    mgr.end_schedule_step()
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    (device,) = [e for e in stored if e.medium != HostBlockPool.medium and a.block_hashes[0] in e.block_hashes]
+    assert device.lora_id == 7 and device.extra_keys is not None and len(device.extra_keys) == 2
+    host = {e.block_hashes[0]: e for e in stored if e.medium == HostBlockPool.medium}
+    for i in (0, 1):
+        e = host[a.block_hashes[i]]
+        assert e.lora_id == 7 and e.extra_keys == [device.extra_keys[i]]
+        assert e.token_ids == list(range(4 * i, 4 * i + 4))
+    mgr.check_integrity()
+
+
+def test_a_swap_in_between_device_hits_publishes_only_its_own_blocks_and_tokens() -> None:
+    """A sliding window releases a chain's head first, so a hit can be [host copy, device block]: the
+    swapped-in block's BlockStored lists it alone, with its own 4 tokens (not the device hit's too)."""
+    mgr = KVCacheManager(4, BS, specs=[SlidingWindowSpec(block_size=BS, sliding_window=8)], num_host_blocks=4,
+                         enable_kv_events=True)
+    a = make_request("a", list(range(9)), BS)
+    schedule(mgr, a)
+    mgr.end_schedule_step()
+    mgr.free(a)  # blocks 0 and 1 cached, 0 released first
+    b = make_request("b", list(range(100, 105)), BS)
+    schedule(mgr, b)  # evicts a's block 0 to the host tier
+    mgr.end_schedule_step()
+    mgr.free(b)
+    mgr.take_events()
+    c = make_request("c", list(range(9)), BS)
+    hit, n = mgr.get_computed_blocks(c)
+    assert [b.on_host for b in hit.blocks[0]] == [True, False] and n == 8
+    assert mgr.allocate_slots(c, c.num_tokens - n, n, hit) is not None
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored) and e.medium != HostBlockPool.medium]
+    assert [(e.block_hashes, e.token_ids, e.parent_block_hash) for e in stored] == [
+        ([c.block_hashes[0]], [0, 1, 2, 3], None)]
     mgr.check_integrity()
 
 
