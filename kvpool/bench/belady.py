@@ -4,6 +4,16 @@
 whose hash is next looked up farthest in the future (never again first). Ties go to the deeper block,
 so a chain is never cut above a block that is kept: a child is never used before its parent. Replaying
 a trace through it gives the hit rate an ideal eviction policy would reach with the same pool size.
+
+A free block's rank is its next use as of when it was freed. As the replay moves past that use (the
+lookup reached another copy, or stopped short of it), the rank is stale and too low: every free block
+whose rank has passed is ranked again when the replay moves on, so none hides under blocks needed
+sooner. A second copy of a hash (two requests in flight computed the same block) is never looked up:
+lookups find the map's copy, so it ranks as never used again.
+
+It is the optimum (tested against exhaustive search on small traces) when the trace fits the pool as the
+replay runs it. When the replay must wait, preempt or skip, what is cached decides when requests are
+admitted too, and MIN is then a strong heuristic, not a bound: a policy may come out a little above it.
 """
 
 from __future__ import annotations
@@ -35,6 +45,31 @@ class BeladyBlockPool(BlockPool):
         self._heap: list[tuple[int, int, int, int]] = []
         self._version = [0] * num_blocks
         self._num_free = len(self._empty)
+        # Free blocks by the rank they were pushed with: (block id, version), ranked again once passed.
+        self._by_rank: dict[int, list[tuple[int, int]]] = {}
+        self._ranked_up_to = -1
+
+    def advance(self, now: int) -> None:
+        """The replay is at request `now`: rank again every free block whose next use has come."""
+        self.now = now
+        for k in range(self._ranked_up_to + 1, now + 1):
+            for bid, ver in self._by_rank.pop(k, ()):
+                blk = self.blocks[bid]
+                if ver == self._version[bid] and blk.ref_cnt == 0 and blk.block_hash is not None:
+                    self._push(blk)
+        self._ranked_up_to = max(self._ranked_up_to, now)
+
+    def _rank(self, blk: KVCacheBlock) -> int:
+        h = blk.block_hash
+        assert h is not None
+        return self._next_use(h) if self.cached.get(h) is blk else NEVER
+
+    def _push(self, blk: KVCacheBlock) -> None:
+        rank, bid = self._rank(blk), blk.block_id
+        ver = self._version[bid]
+        heapq.heappush(self._heap, (-rank, -self.depth.get(blk.block_hash, 0), bid, ver))  # type: ignore[arg-type]
+        if rank != NEVER:
+            self._by_rank.setdefault(rank, []).append((bid, ver))
 
     def _next_use(self, h: BlockHash) -> int:
         pos = self.uses.get(h)
@@ -54,15 +89,13 @@ class BeladyBlockPool(BlockPool):
             return self._empty.pop()
         heap = self._heap
         while True:
-            neg_next, neg_depth, bid, ver = heapq.heappop(heap)
+            neg_next, _, bid, ver = heapq.heappop(heap)
             blk = self.blocks[bid]
             if ver != self._version[bid] or blk.ref_cnt != 0:
                 continue  # stale: taken by a hit since it was freed
-            assert blk.block_hash is not None
-            nxt = self._next_use(blk.block_hash)
-            if nxt != -neg_next:
-                # Its next use was a lookup that missed: it moved later. Re-rank it.
-                heapq.heappush(heap, (-nxt, neg_depth, bid, ver))
+            if self._rank(blk) != -neg_next:
+                # Its next use was a lookup that missed it, or it became the map's copy: ranked again.
+                self._push(blk)
                 continue
             return blk
 
@@ -89,31 +122,29 @@ class BeladyBlockPool(BlockPool):
         for blk in (*first, *low, *last):
             self._num_free += 1
             self._version[blk.block_id] += 1
-            h = blk.block_hash
-            if h is None:
+            if blk.block_hash is None:
                 self._empty.append(blk)
             else:
-                heapq.heappush(self._heap, (-self._next_use(h), -self.depth.get(h, 0), blk.block_id,
-                                            self._version[blk.block_id]))
+                self._push(blk)
 
 
 def belady_hit_rate(trace: list[TraceRequest], num_blocks: int, block_size: int, concurrency: int,
                     hash_algo: str = "sha256") -> float:
-    """Hit rate of the trace under Belady's MIN eviction, with kvpool's call pattern and pool size."""
+    """Hit rate of the trace under Belady's MIN eviction, with kvpool's call pattern and pool size (for a
+    device and a host tier, their blocks together as one pool: no two-tier policy hits more)."""
     hasher = BlockHasher(block_size, hash_algo)
     uses: dict[BlockHash, list[int]] = {}
     depth: dict[BlockHash, int] = {}
+    pool = BeladyBlockPool(num_blocks, uses, depth)  # (it reads the two maps filled below)
+    usable = pool.num_usable_blocks
     for i, tr in enumerate(trace):
         req = CacheRequest(tr["id"], tr["prompt"] + tr["decode"], hasher=hasher)
-        n_lookup = (len(tr["prompt"]) - 1) // block_size
+        # (a prompt the pool cannot hold is skipped by the replay: its lookup never happens)
+        n_lookup = (len(tr["prompt"]) - 1) // block_size if -(-len(tr["prompt"]) // block_size) <= usable else 0
         for d, h in enumerate(req.block_hashes):
             depth[h] = d
             if d < n_lookup:
                 uses.setdefault(h, []).append(i)
-    pool = BeladyBlockPool(num_blocks, uses, depth)
     manager = KVCacheManager(num_blocks, block_size, block_pool=pool)
 
-    def on_admit(i: int) -> None:
-        pool.now = i
-
-    return replay(trace, manager, hasher, concurrency, on_admit=on_admit).hit_rate
+    return replay(trace, manager, hasher, concurrency, on_admit=pool.advance).hit_rate
