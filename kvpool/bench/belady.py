@@ -22,7 +22,7 @@ import heapq
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from kvpool.bench.replay import replay
+from kvpool.bench.replay import ReplayResult, replay
 from kvpool.bench.workloads import TraceRequest
 from kvpool.core.block import BlockHash, KVCacheBlock
 from kvpool.core.block_pool import AllocationPlan, BlockPool
@@ -126,6 +126,15 @@ class BeladyBlockPool(BlockPool):
                 self._empty.append(blk)
             else:
                 self._push(blk)
+
+
+def belady_note(host_blocks: int, run: ReplayResult) -> str:
+    """What a reader must know of a Belady figure beside a replay: that a host tier's blocks were counted
+    into its pool, that the replay waited, preempted or skipped (MIN is then not a bound)."""
+    notes = [f"device + {host_blocks} host blocks as one pool"] if host_blocks else []
+    if run.waited or run.preempted or run.skipped:
+        notes.append("a heuristic here, not a bound: the replay waited, preempted or skipped")
+    return "".join(f"; {n}" for n in notes)
 
 
 def belady_hit_rate(trace: list[TraceRequest], num_blocks: int, block_size: int, concurrency: int,

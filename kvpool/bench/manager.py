@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from kvpool.bench.belady import belady_hit_rate
+from kvpool.bench.belady import belady_hit_rate, belady_note
 from kvpool.bench.replay import OPS, replay
 from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import load_trace, multi_turn_trace, shared_prefix_trace
@@ -65,9 +65,10 @@ def run(a: argparse.Namespace) -> dict:
         per_op[op] = round(statistics.median(r.times[op] for r in runs) / max(unit, 1) * 1e6, 3)
     r0 = runs[0]
     hit_rate = r0.hit_rate
-    host_hit_rate = mgr.stats.host_hits / mgr.stats.queries if mgr.stats.queries else 0.0
-    optimal = None if a.no_belady else belady_hit_rate(trace, a.num_blocks, a.block_size, a.concurrency,
-                                                      a.hash_algo)
+    host_hit_rate = r0.host_hit_tokens / r0.prompt_tokens if r0.prompt_tokens else 0.0
+    # (with a host tier: its blocks and the device's as one pool, the most any two-tier policy could hit)
+    optimal = None if a.no_belady else belady_hit_rate(trace, a.num_blocks + a.host_blocks, a.block_size,
+                                                      a.concurrency, a.hash_algo)
     result = dict(system="kvpool", eviction_policy=a.eviction_policy, hash_algo=a.hash_algo, repeats=a.repeats,
                   requests=len(trace),
                   num_blocks=a.num_blocks, block_size=a.block_size, concurrency=a.concurrency,
@@ -81,7 +82,8 @@ def run(a: argparse.Namespace) -> dict:
              f"{len(trace)} ({r0.waited} waited for room, {r0.preempted} preemptions, {r0.skipped} did not fit)")
     rows = [["trace", source], ["requests", n_req], ["pool", f"{a.num_blocks} blocks of {a.block_size}"],
             ["concurrency", a.concurrency], [f"hit rate ({a.eviction_policy.upper()})", f"{hit_rate:.4f}"],
-            ["hit rate (Belady optimum)", "skipped" if optimal is None else f"{optimal:.4f}"],
+            [f"hit rate (Belady optimum{belady_note(a.host_blocks, r0)})",
+             "skipped" if optimal is None else f"{optimal:.4f}"],
             ["host tier", f"{a.host_blocks} blocks ({a.host_eviction}): hit rate {host_hit_rate:.4f}, "
                           f"{mgr.swap_stats.blocks_out} blocks out, {mgr.swap_stats.blocks_in} in"],
             ["wall s (median)", f"{wall:.3f}"], ["requests/s", f"{len(trace) / wall:,.0f}"],

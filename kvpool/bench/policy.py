@@ -86,13 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cases(a: argparse.Namespace) -> list[TraceCase]:
     out = []
     names = a.trace or ["multi-turn", "shared-prefix", "mooncake"]
-    for name in names:
+    # A file is named by its file name, or by its path where two files share one (their rows and plot
+    # panels must not merge).
+    short = [n if n in DEFAULTS else Path(n).name for n in names]
+    for name, label in zip(names, short, strict=True):
         if a.trace is None and name == "mooncake" and not (
                 shared_dir() / "peers" / "traces" / "mooncake_synthetic_trace.jsonl").exists():
             print(f"(mooncake skipped: no trace under {shared_dir()})", file=sys.stderr)
             continue
         sizes, conc = DEFAULTS.get(name, ([2048, 8192], 16))
-        out.append(TraceCase(name if name in DEFAULTS else Path(name).name, named_trace(name, a.block_size),
+        out.append(TraceCase(label if short.count(label) == 1 else name, named_trace(name, a.block_size),
                              a.num_blocks or sizes, conc if a.concurrency is None else a.concurrency))
     return out
 
@@ -117,8 +120,9 @@ def run(a: argparse.Namespace) -> dict:
     hasher = BlockHasher(a.block_size, a.hash_algo)
     for case in cases(a):
         for nb in case.num_blocks:
-            optimal = None if a.no_belady else belady_hit_rate(case.trace, nb, a.block_size, case.concurrency,
-                                                              a.hash_algo)
+            # (with a host tier: its blocks and the device's as one pool, the most any two-tier policy hits)
+            optimal = None if a.no_belady else belady_hit_rate(case.trace, nb + a.host_blocks, a.block_size,
+                                                              case.concurrency, a.hash_algo)
             row_of: dict[str, dict] = {}
             for pol in policies:
                 mgr = KVCacheManager(nb, a.block_size, eviction_policy=pol, num_host_blocks=a.host_blocks,
@@ -140,10 +144,13 @@ def run(a: argparse.Namespace) -> dict:
     table = format_table(["trace", "blocks", "conc", "policy", "hit rate", "Belady", "gap closed", "req/s"], rows)
     tight = [r for r in results if r["waited"] or r["preempted"] or r["skipped"]]
     if tight:
+        each = "; ".join(f"{r['trace']} {r['num_blocks']} {r['policy']}: {r['waited']} waited, {r['preempted']} "
+                         f"preempted, {r['skipped']} skipped" for r in tight)
         table += ("\nmore than the pool held at once (the replay waited, preempted the newest request, skipped "
-                  "what never fits): " + "; ".join(f"{r['trace']} {r['num_blocks']} {r['policy']}: {r['waited']} "
-                                                   f"waited, {r['preempted']} preempted, {r['skipped']} skipped"
-                                                   for r in tight))
+                  "what never fits; Belady's MIN is then a strong heuristic, not a bound: what is cached decides "
+                  f"when requests are admitted too): {each}")
+    if a.host_blocks and not a.no_belady:
+        table += f"\nBelady: the pool and the {a.host_blocks} host blocks as one pool (no two-tier policy hits more)"
     out = dict(system="kvpool", bench="policy", block_size=a.block_size, host_blocks=a.host_blocks,
                host_eviction=a.host_eviction, results=results)
     if a.plot:

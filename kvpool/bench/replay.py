@@ -10,9 +10,10 @@ together), which vLLM's replay script does not survive. Here the replay does wha
 and only then: a prompt that does not fit waits for requests in flight to finish (`waited`); when a decode
 step does not fit, the newest request in flight is preempted (its blocks released, cached, and it
 resumes later from its prompt plus what it had generated, first in line); a request that does not
-fit an otherwise empty pool is skipped. A resumed request's lookup is not counted in the hit rate (its
-prompt was counted once, at its first admission); `preempted` and `skipped` say how often either
-happened. On a trace that fits, none of this runs and the call pattern is exactly the one above.
+fit an otherwise empty pool is skipped, and is not in the hit rate (neither is one skipped mid-answer,
+its prompt's lookup taken back). A resumed request's lookup is not counted (its prompt was counted
+once, at its first admission); `preempted` and `skipped` say how often either happened. On a trace
+that fits, none of this runs and the call pattern is exactly the one above.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ReplayResult:
     hit_tokens: int
     prompt_tokens: int
     times: dict[str, float] = field(default_factory=dict)
+    host_hit_tokens: int = 0  # of the hits, tokens found in the host tier
     waited: int = 0  # requests whose prompt did not fit at first: admitted once others finished
     preempted: int = 0  # decode steps that did not fit: requests preempted to make room
     skipped: int = 0  # requests that did not fit the empty pool (not in the hit rate)
@@ -78,7 +80,8 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
     preempted request resumes)."""
     t = dict.fromkeys(OPS, 0.0)
     pc = time.perf_counter
-    hit = prompt = waited = preempted = skipped = 0
+    hit = prompt = host_hit = waited = preempted = skipped = 0
+    counted: dict[int, tuple[int, int, int]] = {}  # trace index -> (prompt, hit, host hit) tokens counted
     last_waiting = -1
     gc.collect()
     wall0 = pc()
@@ -122,8 +125,13 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
                 continue
             req.num_computed_tokens = n
             if first:
+                n_host = 0
+                if manager.host is not None:  # (positions some group copies from the host tier)
+                    n_host = manager.block_size * len({j for h in blocks.blocks for j, b in enumerate(h) if b.on_host})
                 hit += n_hit
                 prompt += n
+                host_hit += n_host
+                counted[idx] = (n, n_hit, n_host)
             active.append([req, dec, 0, idx])
         still = []
         for st in active:  # (a preemption cuts requests from the end of `active`: not visited after)
@@ -142,6 +150,8 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
                         else:  # alone in the pool and still no room: it never fits
                             manager.free(req)
                             skipped += 1
+                            n, n_hit, n_host = counted.pop(st[3], (0, 0, 0))
+                            prompt, hit, host_hit = prompt - n, hit - n_hit, host_hit - n_host
                         continue
                 t2 = pc()
                 t["decode_append"] += t1 - t0
@@ -161,5 +171,5 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
         raise AssertionError("blocks leaked")
     if n_trace and skipped == n_trace:
         raise PoolTooSmall(f"no request of the trace fits a pool of {manager.block_pool.num_usable_blocks} blocks")
-    return ReplayResult(wall_s=wall, hit_tokens=hit, prompt_tokens=prompt, times=t, waited=waited,
-                        preempted=preempted, skipped=skipped)
+    return ReplayResult(wall_s=wall, hit_tokens=hit, prompt_tokens=prompt, times=t, host_hit_tokens=host_hit,
+                        waited=waited, preempted=preempted, skipped=skipped)

@@ -93,6 +93,27 @@ def test_a_request_larger_than_the_pool_is_skipped_and_the_rest_replayed() -> No
     assert (r.hit_tokens, r.prompt_tokens) == (8, 20)  # b hits a's two full blocks; big is not counted
 
 
+def test_a_request_skipped_mid_answer_takes_its_prompt_out_of_the_hit_rate() -> None:
+    """Its prompt fits (and was looked up), its answer never does: skipped, it is not in the hit rate."""
+    trace = [dict(id="a", prompt=list(range(10)), decode=[1]),
+             dict(id="long", prompt=list(range(10)), decode=list(range(30))),  # 40 tokens: 10 blocks > 8
+             dict(id="b", prompt=list(range(10)), decode=[2])]
+    r = replay(trace, KVCacheManager(9, 4), BlockHasher(4), concurrency=1)  # type: ignore[arg-type]
+    assert (r.waited, r.preempted, r.skipped) == (0, 0, 1)
+    assert (r.hit_tokens, r.prompt_tokens) == (8, 20)  # b hits a's two full blocks; long is not counted
+
+
+def test_host_hits_are_counted_at_first_admission_like_the_hit_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """b's prompt is found in the host tier (a's blocks, evicted there by c): the replay counts it as it
+    counts hits, once per request at its first admission (`bench manager`'s host hit rate)."""
+    trace = [dict(id="a", prompt=list(range(12)), decode=[1]),
+             dict(id="c", prompt=list(range(100, 120)), decode=[1]),
+             dict(id="b", prompt=list(range(13)), decode=[2])]
+    mgr = KVCacheManager(7, 4, num_host_blocks=8)
+    r = replay(trace, mgr, BlockHasher(4), concurrency=1)  # type: ignore[arg-type]
+    assert (r.hit_tokens, r.host_hit_tokens, r.prompt_tokens) == (12, 12, 45)
+
+
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "peers"
 
 

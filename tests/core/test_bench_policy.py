@@ -37,6 +37,23 @@ def test_json_contract_table_and_plot(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_with_a_host_tier_belady_holds_both_tiers_and_same_named_files_stay_apart(tmp_path: Path) -> None:
+    """A device-only optimum sat far below what LRU reached with a host tier behind it; two trace files of
+    one name were one row and one plot panel."""
+    for d in ("x", "y"):
+        (tmp_path / d).mkdir()
+        write_trace(tmp_path / d / "t.jsonl", shared_prefix_trace(60, seed=ord(d), n_systems=6, sys_max=400,
+                                                                 prompt_max=512, decode_len=8))
+    p = argparse.ArgumentParser()
+    bench_policy.add_arguments(p)
+    a = p.parse_args(["--trace", str(tmp_path / "x" / "t.jsonl"), "--trace", str(tmp_path / "y" / "t.jsonl"),
+                      "--num-blocks", "80", "--concurrency", "2", "--policies", "lru,slru", "--host-blocks", "800"])
+    res = bench_policy.run(a)["results"]
+    assert {r["trace"] for r in res} == {str(tmp_path / "x" / "t.jsonl"), str(tmp_path / "y" / "t.jsonl")}
+    for r in res:
+        assert r["hit_rate"] <= r["belady_hit_rate"] + 1e-12, r
+
+
 def test_unknown_policy_is_refused() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool.cli", "bench", "policy", "--trace", "multi-turn",
                           "--policies", "lru,mru"], capture_output=True, text=True)
