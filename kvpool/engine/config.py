@@ -62,7 +62,9 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory (tests)
     enable_prefix_caching: bool = option(True, "disable automatic prefix caching", flag="--no-prefix-caching")
     hash_algo: str = option("sha256", "block hash function", choices=("sha256", "xxh3_128"))
-    hash_seed: str | None = None
+    hash_seed: str | None = option(None, "secret mixed into every block hash (the first parent), so hashes cannot "
+                                   "be guessed from prompts; replicas behind one router and a shared store all "
+                                   "need the same one (kvpool router --hash-seed)")
     enable_kv_events: bool = False
     swap_space: int | str | float = option(0, "host KV tier size (bytes, or e.g. 4GiB); 0 disables it", type=str)
     num_host_blocks: int | None = None  # overrides swap_space (tests)

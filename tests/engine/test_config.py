@@ -13,7 +13,8 @@ from kvpool.server.options import ServerConfig
 
 # Every engine flag the CLI had before the configs defined them: none may disappear.
 ENGINE_FLAGS = {"--model", "--dtype", "--device", "--kv-cache-memory", "--block-size", "--no-prefix-caching",
-                "--hash-algo", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len", "--swap-space",
+                "--hash-algo", "--hash-seed", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len",
+                "--swap-space",
                 "--eviction-policy", "--host-eviction", "--write-through", "--state-retention-tokens", "--kv-store",
                 "--kv-store-deadline", "--no-hybrid-allocator", "--no-native-kernels", "--pin-budget",
                 "--kv-cache-dtype"}
