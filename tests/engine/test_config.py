@@ -46,12 +46,13 @@ def test_engine_and_server_flags_are_all_there() -> None:
 def test_flags_parse_into_the_config_fields() -> None:
     args = build_parser().parse_args(["serve", "--no-prefix-caching", "--no-native-kernels", "--kv-store-deadline",
                                       "0.5", "--max-model-len", "300", "--block-size", "8", "--dtype", "float32",
-                                      "--port", "9000"])
+                                      "--port", "9000", "--hash-seed", "s3"])
     kw = engine_kwargs(args)
     assert kw["enable_prefix_caching"] is False and kw["native_kernels"] is False and kw["hybrid_allocator"] is True
     assert (kw["kv_store_deadline_s"], kw["max_model_len"], kw["block_size"], kw["dtype"]) == (0.5, 300, 8, "float32")
     cfg = EngineConfig(**kw)
     assert cfg.cache.block_size == 8 and cfg.scheduler.max_model_len == 300 and cfg.runner.native_kernels is False
+    assert cfg.cache.hash_seed == "s3"
     assert args.port == 9000 and args.host == ServerConfig.host
     # Defaults come from the fields: a bare command line gives the configs' defaults.
     bare = EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi"])))
