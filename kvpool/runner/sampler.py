@@ -38,10 +38,12 @@ def sample(logits: torch.Tensor, params: list[SamplingLike],
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            cum = sorted_p.cumsum(0)
-            # Keep the smallest set whose mass reaches top_p (the first token always stays).
-            drop = cum - sorted_p > p.top_p
+            # Keep the smallest set whose mass reaches top_p, as transformers and vLLM do: in ascending order,
+            # drop the tokens whose mass together stays within 1 - top_p (of tokens tied at the edge, the
+            # later ones in sort order stay), never the most likely.
+            sorted_p, idx = probs.sort()
+            drop = sorted_p.cumsum(0) <= 1 - p.top_p
+            drop[-1] = False
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))

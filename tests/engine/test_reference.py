@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
-from helpers import TINY_VOCAB, hf_greedy
+from helpers import TINY_VOCAB, hf_greedy, make_tiny_model
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
@@ -23,6 +24,60 @@ def test_tiny_llama_matches_transformers(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=128)
     outs = llm.generate(prompts, SamplingParams.greedy(24), use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
+
+
+def legacy_rope_config(path: Path, **legacy: object) -> Path:
+    """Rewrite a saved config's RoPE in the form configs took before transformers 5 (and the hub still holds):
+    a top-level `rope_theta` (`rope_local_base_freq` for Gemma-3's sliding layers) and `rope_scaling`."""
+    cfg = json.loads((path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    full = rope.get("full_attention", rope)
+    cfg.update(rope_theta=full["rope_theta"], **legacy)
+    if "sliding_attention" in rope:
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+TINY = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, initializer_range=0.3, eos_token_id=None, bos_token_id=None,
+            pad_token_id=None, tie_word_embeddings=False)
+LINEAR_8 = {"rope_type": "linear", "factor": 8.0}
+VARIANTS = {
+    # Qwen2: q, k and v projections with a bias though its config names none; the output projection without.
+    "qwen2": lambda d: make_tiny_model(d, "Qwen2Config", "Qwen2ForCausalLM", num_hidden_layers=2, **TINY),
+    # Llama's attention_bias: all four projections with a bias.
+    "llama attention_bias": lambda d: make_tiny_model(d, "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=2,
+                                                      attention_bias=True, **TINY),
+    "llama linear rope": lambda d: make_tiny_model(d, "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=2,
+                                                   rope_parameters={"rope_theta": 10000.0, **LINEAR_8}, **TINY),
+    # Gemma-3 4B and up: linear scaling on the full-attention layers, in the pre-5 config form.
+    "gemma3 legacy linear rope": lambda d: legacy_rope_config(make_tiny_model(
+        d, "Gemma3TextConfig", "Gemma3ForCausalLM", num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=64,
+        sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2,
+        **{**TINY, "tie_word_embeddings": True}), rope_scaling=LINEAR_8),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(variant: str, tmp_path: Path) -> None:
+    """Biases and RoPE scaling read from every config form a checkpoint may have (they loaded with an
+    error, or ran with the scaling silently dropped: other tokens than transformers')."""
+    model_dir = VARIANTS[variant](tmp_path / "m")
+    rng = random.Random(4)
+    # Up to 300 positions: far past the window, where scaled and unscaled angles part.
+    prompts = [[rng.randrange(TINY_VOCAB) for _ in range(n)] for n in (20, 150, 300)]
+    expected = hf_greedy(model_dir, prompts, 12)
+    llm = LLM(str(model_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=128)
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(12), use_tqdm=False)] == expected
+
+
+def test_an_unsupported_rope_type_is_refused_by_name(tmp_path: Path) -> None:
+    model_dir = legacy_rope_config(make_tiny_model(tmp_path / "m", "LlamaConfig", "LlamaForCausalLM",
+                                                   num_hidden_layers=1, **TINY),
+                                   rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"config\.rope_parameters: rope_type 'yarn' is not supported yet"):
+        LLM(str(model_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=16)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.runner.attention import AttentionMetadata, paged_attention
-from kvpool.runner.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm, Rotary
+from kvpool.runner.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm, Rotary, rope_factor
 from kvpool.runner.models.registry import register_model
 
 
@@ -44,11 +44,14 @@ class Gemma3Arch(LlamaArch):
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("config.use_bidirectional_attention: only causal attention is supported")
         rope = cfg.get("rope_parameters") or {}
-        full = rope.get("full_attention", {})
+        # transformers 5 writes each layer type's RoPE under rope_parameters; older configs a
+        # `rope_scaling` for the full-attention layers (Gemma-3 4B and up: linear, factor 8), the sliding
+        # ones keeping the default.
+        full = rope.get("full_attention") or cfg.get("rope_scaling") or {}
         local = rope.get("sliding_attention", {})
-        for r in (full, local):
-            if r.get("rope_type", "default") != "default":
-                raise ValueError(f"config.rope_parameters: rope_type {r.get('rope_type')!r} is not supported yet")
+        scaling = rope_factor(full)
+        if rope_factor(local, "config.rope_parameters.sliding_attention") != 1.0:
+            raise ValueError("config.rope_parameters.sliding_attention: scaled RoPE is not supported there")
         n = cfg["num_hidden_layers"]
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
         types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
@@ -64,7 +67,7 @@ class Gemma3Arch(LlamaArch):
             attention_bias=bool(cfg.get("attention_bias", False)),
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
             rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
-            layer_types=tuple(types), window=int(cfg.get("sliding_window") or 512),
+            layer_types=tuple(types), window=int(cfg.get("sliding_window") or 512), rope_scaling=scaling,
             final_logit_softcapping=cfg.get("final_logit_softcapping"))
 
 
@@ -118,7 +121,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(Gemma3Layer(arch, t == "sliding_attention") for t in arch.layer_types)
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position)
+        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position, arch.rope_scaling)
         self.rotary_local = Rotary(arch.head_dim, arch.rope_local_theta, arch.max_position)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size,
                                                                         bias=False)

@@ -34,8 +34,10 @@ class LlamaArch:
     rope_theta: float
     max_position: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k and v projections with a bias (Qwen2's always)
+    o_bias: bool = False  # the output projection too (Llama's `attention_bias`; not Qwen2's)
     sliding_window: int | None = None  # every layer attends to this many recent positions (Mistral)
+    rope_scaling: float = 1.0  # linear RoPE scaling: positions divided by this factor
 
     @property
     def layer_windows(self) -> list[int | None]:
@@ -47,9 +49,7 @@ class LlamaArch:
         if act != "silu":
             raise ValueError(f"config.hidden_act: {act!r} is not supported (silu only)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"config.rope_parameters: rope_type {rope_type!r} is not supported yet")
+        scaling = rope_factor(rope)
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         max_position = cfg.get("max_position_embeddings", 2048)
@@ -64,9 +64,26 @@ class LlamaArch:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position=max_position,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            sliding_window=window if window and window < max_position else None,
+            # (Qwen2's config has no `attention_bias`: its q, k and v projections always have one, its
+            # output projection none; Llama's `attention_bias` gives all four one)
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            o_bias=bool(cfg.get("attention_bias", False)) and cfg.get("model_type") != "qwen2",
+            sliding_window=window if window and window < max_position else None, rope_scaling=scaling,
         )
+
+
+def rope_factor(rope: dict[str, Any], where: str = "config.rope_parameters") -> float:
+    """How much a RoPE config's positions are scaled down: 1 for the default, the factor of linear scaling
+    (transformers' "linear": its angles are the default's divided by it); other types are refused."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return 1.0
+    if rope_type != "linear":
+        raise ValueError(f"{where}: rope_type {rope_type!r} is not supported yet")
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1:
+        raise ValueError(f"{where}: linear scaling needs a factor >= 1, got {factor!r}")
+    return float(factor)
 
 
 # The dtypes kvpool's fused norm, rotary and SiLU-and-multiply kernels take (kvpool.runner.kernels).
@@ -170,9 +187,9 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float, max_position: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_position: int, scaling: float = 1.0) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.max_position = head_dim, theta, max_position
+        self.head_dim, self.theta, self.max_position, self.scaling = head_dim, theta, max_position, scaling
         self.fused: Any = None  # as RMSNorm.fused
         self.reset()
 
@@ -180,6 +197,8 @@ class Rotary(nn.Module):
         """(Re)compute the angle tables (a model built on the meta device has none)."""
         head_dim, theta, max_position = self.head_dim, self.theta, self.max_position
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.scaling != 1.0:
+            inv = inv / self.scaling  # (linear scaling, as transformers divides its inverse frequencies)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         self.register_buffer("cos", freqs.cos(), persistent=False)
@@ -204,7 +223,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias)
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.scale = a.head_dim ** -0.5
@@ -239,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position)
+        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position, arch.rope_scaling)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size,
                                                                         bias=False)
         self.packed_lm_head: PackedLinear | None = None
