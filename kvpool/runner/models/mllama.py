@@ -274,7 +274,7 @@ class MllamaForConditionalGeneration(LlamaForCausalLM):
         self.layers = nn.ModuleList(MllamaCrossLayer(arch) if i in cross else DecoderLayer(arch)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position)
+        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position, arch.rope_scaling)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head = None
         vision = MllamaVisionConfig.from_dict(arch.vision_config)
