@@ -1,8 +1,8 @@
 """The bf16 prompt-attention kernel alone, in GFLOP/s per thread, on SmolLM2's shape (9 heads, 3 kv heads,
 head_dim 64, blocks of 16, packed caches): one 1,088-token prompt, 8 x 64 new tokens over a 1,088-token
-prefix, and four 1,024-token prompts (a 4,096-token step). FLOPs count the causal pairs only (2 products of head_dim per pair and
-head). With one thread it times `time.thread_time` (other load on the machine does not count), else wall time;
-medians of 7. Usage: python scripts/prefill_attention_gflops.py [THREADS]"""
+prefix, and four 1,024-token prompts (a 4,096-token step). FLOPs count the causal pairs only (2 products of
+head_dim per pair and head). With one thread it times `time.thread_time` (other load on the machine does not
+count), else wall time; medians of 7. Usage: python scripts/prefill_attention_gflops.py [THREADS]"""
 
 from __future__ import annotations
 
