@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from kvpool.bench.report import emit, format_table, name_list
+from kvpool.bench.report import emit, format_table, name_list, percentile
 from kvpool.bench.workloads import generated_shared_prefix
 from kvpool.server.options import _positive
 
@@ -51,15 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 def _summary(wall: float, ttfts: list[float], n_out: int, n_prompt: int, hit_rate: float) -> dict[str, float]:
     return dict(wall_s=wall, output_tokens_per_s=n_out / wall, total_tokens_per_s=(n_out + n_prompt) / wall,
-                ttft_mean_ms=1e3 * statistics.mean(ttfts), ttft_p50_ms=1e3 * _pct(ttfts, 0.5),
-                ttft_p99_ms=1e3 * _pct(ttfts, 0.99), hit_rate=hit_rate)
+                ttft_mean_ms=1e3 * statistics.mean(ttfts), ttft_p50_ms=1e3 * percentile(ttfts, 50),
+                ttft_p99_ms=1e3 * percentile(ttfts, 99), hit_rate=hit_rate)
 
 
 class KVPoolSession:
@@ -73,6 +68,8 @@ class KVPoolSession:
         from kvpool.engine.sampling_params import SamplingParams
 
         self.prompts, self.loras = prompts, loras
+        if engine_kw.get("enable_prefix_caching") is False:  # (it would be overridden here, silently)
+            raise ValueError("--no-prefix-caching: not a bench prefix flag; run --systems kvpool-no-cache")
         kw = {**engine_kw, "enable_prefix_caching": caching}
         if not caching:  # (the tiers below the device keep cached blocks: none without caching)
             kw = {k: v for k, v in kw.items() if k not in ("swap_space", "num_host_blocks", "kv_store")}
@@ -95,16 +92,15 @@ class KVPoolSession:
         llm.engine.kv.reset_prefix_cache()
         stats0 = (llm.engine.kv.stats.queries, llm.engine.kv.stats.hits)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        wall_t0 = time.time()
         outs = llm.generate(prompts, self.sp, use_tqdm=False, lora_request=self.loras)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         q = llm.engine.kv.stats.queries - stats0[0]
         h = llm.engine.kv.stats.hits - stats0[1]
-        ttfts = [o.metrics.first_token_time - wall_t0 for o in outs if o.metrics and o.metrics.first_token_time]
+        # From each request's own arrival to its first token, as vLLM's harness counts it.
+        ttfts = [o.metrics.ttft for o in outs if o.metrics and o.metrics.ttft is not None]
         # The hit rate a request sees (what its TTFT depends on): prompt tokens it did not compute at its
-        # admission. The lookup counters (vLLM's prefix_cache_queries/hits) count every lookup, also those
-        # of a request looked up again step after step while the pool is too full to admit it, so under
-        # memory pressure they mostly measure how long requests waited: kept as lookup_hit_rate.
+        # first admission. The manager's counters (vLLM's prefix_cache_queries/hits) count every admission,
+        # also a preempted request's again: kept as lookup_hit_rate.
         n_prompt = sum(map(len, prompts))
         summary = _summary(wall, ttfts, sum(len(o.token_ids) for o in outs), n_prompt,
                            sum(o.num_cached_tokens for o in outs) / n_prompt)
@@ -177,7 +173,13 @@ def _requests_that_fit(llm: Any, prompts: list[list[int]], out_len: int) -> int:
 
 
 def _median(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    """The median of each figure over the runs; the rates are the work over the median wall time (with an
+    even number of runs, a median of rates would not be what the median wall time gives)."""
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    wall = med["wall_s"]
+    for rate in ("output_tokens_per_s", "total_tokens_per_s"):
+        med[rate] = rows[0][rate] * rows[0]["wall_s"] / wall  # (every run does the same work)
+    return med
 
 
 def lora_requests(a: argparse.Namespace, model: str | None, folder: str) -> list[Any]:
@@ -245,8 +247,8 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         systems["transformers"], outputs["transformers"] = run_transformers(
             prompts, a.output_len, a.hf_batch_size, engine_kw.get("dtype", "auto"), engine_kw.get("model"))
     systems = {name: systems[name] for name in wanted}
-    hit = systems.get("kvpool", {}).get("hit_rate", 0.0)
-    ideal = 1.0 / (1.0 - hit) if hit < 1 else float("inf")
+    hit = systems.get("kvpool", {}).get("hit_rate")  # (the ideal is kvpool's with caching: None without it)
+    ideal = None if hit is None else 1.0 / (1.0 - hit) if hit < 1 else float("inf")
     result: dict[str, Any] = dict(
         workload=dict(groups=a.groups, system_len=a.system_len, questions=a.questions,
                       question_len=a.question_len, output_len=a.output_len, shared=not a.unique,
@@ -280,7 +282,7 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
             for n, s in systems.items()]
     table = format_table(["system", "wall s", "out tok/s", "total tok/s", "TTFT mean ms", "p50", "p99", "hit rate"],
                          rows)
-    extra = [f"ideal TTFT speedup 1/(1-hit): {ideal:.2f}"]
+    extra = [] if ideal is None else [f"ideal TTFT speedup 1/(1-hit): {ideal:.2f}"]
     if "ttft_speedup" in result:
         extra.append(f"TTFT speedup cache on vs off: {result['ttft_speedup']:.2f} "
                      f"({100 * result['ttft_speedup_of_ideal']:.0f}% of ideal); requests with identical outputs: "

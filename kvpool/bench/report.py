@@ -19,6 +19,14 @@ def name_list(flag: str, text: str, known: Sequence[str], key: Callable[[str], s
     return names
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile, interpolated between the nearest ranks (numpy's default, as `vllm bench serve`
+    reports them): the 50th is the median, the 99th of 64 values lies between the two largest."""
+    import numpy as np
+
+    return float(np.percentile(np.asarray(xs, dtype=float), q))
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     def cell(v: object) -> str:
         if isinstance(v, float):

@@ -19,6 +19,10 @@ from kvpool.cli import build_parser, main
     (["bench", "prefix", "--systems", ","], "systems: name at least one of kvpool, "),
     (["bench", "multiturn", "--systems", ","], "systems: name at least one of no-cache, "),
     (["bench", "cluster", "--systems", ","], "systems: name at least one of round-robin, "),
+    # (an engine flag the bench would override: refused, not ignored)
+    (["bench", "prefix", "--no-prefix-caching", "--groups", "1", "--questions", "1", "--system-len", "16",
+      "--question-len", "4", "--output-len", "1", "--no-warmup"],
+     "--no-prefix-caching: not a bench prefix flag; run --systems kvpool-no-cache"),
 ])
 def test_an_empty_or_unknown_list_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
                                              ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvpool.bench import multiturn
 from kvpool.cli import build_parser, engine_kwargs
 
@@ -23,3 +25,29 @@ def test_a_kv_dtype_system_gets_the_same_memory_and_its_own_reference(chat_llama
     assert all(s[n]["outputs_identical"] for n in ("device", "device:bfloat16", "device+host:bfloat16"))
     # Twice the blocks keep more of the conversations between their turns.
     assert s["device:bfloat16"]["hit_rate"] > s["device"]["hit_rate"]
+
+
+def test_the_hit_rate_is_what_requests_saw_at_their_first_admission(chat_llama_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool so small that requests are preempted: the manager's counters count a preempted request's
+    admission again (kept as lookup_hit_rate); the hit rate is each request's cached prompt tokens at its
+    first admission."""
+    from kvpool.engine.engine import LLMEngine
+
+    seen: list = []
+    step = LLMEngine.step
+
+    def recording(self: LLMEngine) -> list:
+        outs = step(self)
+        seen.extend(o for o in outs if o.finished)
+        return outs
+
+    monkeypatch.setattr(LLMEngine, "step", recording)
+    args = build_parser().parse_args([
+        "bench", "multiturn", "--model", str(chat_llama_dir), "--dtype", "float32", "--conversations", "8",
+        "--turns", "3", "--concurrency", "4", "--system-len", "40", "--user-len", "16:32", "--answer-len", "4:8",
+        "--device-blocks", "14", "--systems", "device"])
+    s = multiturn.run(args, engine_kwargs(args))["systems"]["device"]
+    assert s["preemptions"] > 0
+    cached, prompt = sum(o.num_cached_tokens for o in seen), sum(len(o.prompt_token_ids) for o in seen)
+    assert s["hit_rate"] == cached / prompt and s["lookup_hit_rate"] != s["hit_rate"]
