@@ -3,7 +3,8 @@
 kvpool with prefix caching, kvpool without, and transformers' batched `generate` (the code a user
 would otherwise write), on the same prompts and weights: greedy, ignore_eos, every request submitted
 at once. Reports wall time, output and total tokens/s, TTFT mean/p50/p99 (each request's from its own
-arrival, as vLLM's harness counts it), prefix hit rate, and the ideal TTFT speedup 1/(1 - hit rate). The kvpool systems' timed runs alternate (see `run`).
+arrival, as vLLM's harness counts it), prefix hit rate, and the ideal TTFT speedup 1/(1 - hit rate). The
+kvpool systems' timed runs alternate (see `run`).
 `--workload-out` writes the token ids for `../shared/peers/vllm-cpu/run.sh`, so vLLM-CPU runs the very
 same workload.
 """
