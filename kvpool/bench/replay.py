@@ -125,9 +125,7 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
                 continue
             req.num_computed_tokens = n
             if first:
-                n_host = 0
-                if manager.host is not None:  # (positions some group copies from the host tier)
-                    n_host = manager.block_size * len({j for h in blocks.blocks for j, b in enumerate(h) if b.on_host})
+                n_host = blocks.num_host_positions() * manager.block_size if manager.host is not None else 0
                 hit += n_hit
                 prompt += n
                 host_hit += n_host

@@ -49,6 +49,10 @@ class KVCacheBlocks:
         """The host-tier hits of the first group (single-group models: the chain past the device hits)."""
         return [b for b in self.blocks[0] if b.on_host] if self.blocks else []
 
+    def num_host_positions(self) -> int:
+        """Positions (blocks of the chain) that some group copies from the host tier."""
+        return len({i for group in self.blocks for i, b in enumerate(group) if b.on_host})
+
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group if not b.on_host] for group in self.blocks)
 
@@ -174,7 +178,7 @@ class KVCacheManager:
         hits, request.shared_prefix_blocks = self._hybrid_hit(request.block_hashes, max_blocks)
         return KVCacheBlocks(hits), max(len(h) for h in hits) * self.block_size
 
-    def _record_admission(self, request: CacheRequest, hits: tuple[list[KVCacheBlock], ...], num_hit: int) -> None:
+    def _record_admission(self, request: CacheRequest, hits: KVCacheBlocks, num_hit: int) -> None:
         """The prefix cache stats of a lookup whose request was admitted (its allocation went ahead): a
         request that waits at the head of the queue is looked up again every step, and counting every
         lookup would inflate the hit rate a user reads (vLLM too records at admission)."""
@@ -182,8 +186,7 @@ class KVCacheManager:
         self.stats.record(num_tokens, num_hit)
         self._interval_stats.record(num_tokens, num_hit)
         if self.host is not None:
-            # Positions some group copies from the host tier.
-            num_host = len({i for h in hits for i, b in enumerate(h) if b.on_host}) * self.block_size
+            num_host = hits.num_host_positions() * self.block_size
             self.stats.host_hits += num_host
             self._interval_stats.host_hits += num_host
 
@@ -271,7 +274,7 @@ class KVCacheManager:
         if plan is None:
             return None
         if new_computed_blocks is not None and self.enable_caching:
-            self._record_admission(request, hits, num_new_computed_tokens)
+            self._record_admission(request, new_computed_blocks, num_new_computed_tokens)
         # Every group releases, then every group takes its hits, then every group allocates: a group's
         # new blocks must neither miss the room another group frees nor evict another group's hit.
         for g, m in enumerate(managers):

@@ -427,8 +427,10 @@ class LLMEngine:
             text, ids = None, list(prompt)
         self._check_prompt_ids(ids)
         rid = request_id
-        while rid is None or (request_id is None and rid in self.scheduler.requests):
-            rid = str(next(self._ids))  # (past any id a caller chose that is in use)
+        if rid is None:
+            rid = str(next(self._ids))
+            while rid in self.scheduler.requests:  # (an id a caller chose, in use)
+                rid = str(next(self._ids))
         if rid in self.scheduler.requests:  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
         if not isinstance(mm_inputs, list | tuple):
