@@ -51,6 +51,10 @@ VARIANTS = {
                                                       attention_bias=True, **TINY),
     "llama linear rope": lambda d: make_tiny_model(d, "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=2,
                                                    rope_parameters={"rope_theta": 10000.0, **LINEAR_8}, **TINY),
+    "lfm2 linear rope": lambda d: make_tiny_model(
+        d, "Lfm2Config", "Lfm2ForCausalLM", num_hidden_layers=4, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        rope_parameters={"rope_theta": 10000.0, **LINEAR_8}, **{**TINY, "tie_word_embeddings": True}),
     # Gemma-3 4B and up: linear scaling on the full-attention layers, in the pre-5 config form.
     "gemma3 legacy linear rope": lambda d: legacy_rope_config(make_tiny_model(
         d, "Gemma3TextConfig", "Gemma3ForCausalLM", num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=64,

@@ -27,6 +27,7 @@ from kvpool.runner.models.llama import (
     Rotary,
     check_all_loaded,
     load_param,
+    rope_factor,
 )
 from kvpool.runner.models.registry import register_model
 from kvpool.runner.state_cache import StateMetadata, run_conv_state
@@ -50,8 +51,7 @@ class Lfm2Arch(LlamaArch):
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> Lfm2Arch:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"config.rope_parameters: rope_type {rope.get('rope_type')!r} is not supported yet")
+        scaling = rope_factor(rope)
         n = cfg["num_hidden_layers"]
         types = cfg.get("layer_types")
         if types is None:
@@ -84,7 +84,8 @@ class Lfm2Arch(LlamaArch):
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
             max_position=cfg.get("max_position_embeddings", 128_000),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-            layer_types=tuple(types), conv_L_cache=conv_l, conv_bias=bool(cfg.get("conv_bias", False)))
+            layer_types=tuple(types), conv_L_cache=conv_l, conv_bias=bool(cfg.get("conv_bias", False)),
+            rope_scaling=scaling)
 
 
 class Lfm2MLP(nn.Module):
@@ -167,7 +168,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(Lfm2Layer(arch, t) for t in arch.layer_types)
         self.embedding_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position)
+        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position, arch.rope_scaling)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size,
                                                                         bias=False)
         self.packed_lm_head = None
