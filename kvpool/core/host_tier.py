@@ -85,6 +85,10 @@ class HostTier:
 
     def _shelter(self, page_type: int, block: KVCacheBlock, key: BlockHash) -> None:
         """Device eviction listener: copy the evicted block's content to the host tier."""
+        if self.device_pools[page_type].cached.get(key) is not None:
+            # A duplicate copy on the device took over the hash: lookups still hit there, and a host
+            # copy would only take a host block (it is sheltered when that copy goes in turn).
+            return
         hb = self.pools[page_type].shelter(key, block.group_id)
         if hb is None:
             return

@@ -249,3 +249,31 @@ def test_host_events_of_a_second_layer_group_name_it_and_its_raw_hash() -> None:
     removed = [(e.group_id, h) for e in host if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert {g for g, _ in removed} == {0, 1} and len(removed) == 4
     assert all(len(h) == 32 for _, h in removed) and set(removed) <= stored
+
+
+def test_an_evicted_block_whose_duplicate_stays_on_the_device_is_not_copied_to_the_host() -> None:
+    # a and b computed the same blocks at once, so b holds duplicate copies. When a's copies are evicted,
+    # b's take over the hashes: a host copy would only take a host block from something else.
+    mgr = KVCacheManager(10, BS, num_host_blocks=4)
+    a, b = make_request("a", list(range(8)), BS), make_request("b", list(range(8)), BS)
+    assert mgr.allocate_slots(a, 8).get_block_ids() == ([1, 2],)
+    assert mgr.allocate_slots(b, 8).get_block_ids() == ([3, 4],)
+    mgr.end_schedule_step()
+    mgr.free(a)
+    mgr.free(b)
+    c = make_request("c", list(range(100, 128)), BS)  # 7 blocks: the 5 never used, then a's copies
+    assert mgr.allocate_slots(c, 28).get_block_ids() == ([5, 6, 7, 8, 9, 2, 1],)
+    plan = mgr.end_schedule_step()
+    assert plan.swap_out == [] and mgr.host_pool.cached == {}
+    q = make_request("q", list(range(9)), BS)
+    hit, n = mgr.get_computed_blocks(q)
+    assert n == 8 and hit.get_block_ids() == ([3, 4],)
+    # When the last device copies go, they are sheltered as any evicted block is.
+    mgr.free(c)
+    d = make_request("d", list(range(200, 236)), BS)
+    assert mgr.allocate_slots(d, 36) is not None
+    plan = mgr.end_schedule_step()
+    assert sorted(dst for _, dst in plan.swap_out) == [0, 1, 2, 3]
+    assert a.block_hashes[0] in mgr.host_pool.cached and a.block_hashes[1] in mgr.host_pool.cached
+    mgr.free(d)
+    mgr.check_integrity()
