@@ -287,6 +287,8 @@ class SlidingWindowManager(_AnchoredManager):
         null = pool.null_block
         assert null is not None, "sliding-window tables need the null block"
         need = self.spec.window_blocks
+        if need == 0:  # a 1-token window reads no earlier KV: any prefix is served by null blocks
+            return [null] * min(max_num_blocks, len(block_hashes))
         get = pool.cached.get if self.host_cached is None else self.lookup
         run: list[KVCacheBlock] = []  # cached blocks found so far, last one first
         for i in range(min(max_num_blocks, len(block_hashes)) - 1, -1, -1):

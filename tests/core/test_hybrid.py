@@ -31,6 +31,17 @@ def hit_ids(mgr: KVCacheManager, n_tokens: int) -> tuple[tuple[list[int], ...], 
     return hit.get_block_ids(), n
 
 
+def test_a_one_token_window_hits_without_any_cached_block() -> None:
+    # A token that attends only to itself reads no earlier KV: the hit is capped by the full group alone.
+    one = SlidingWindowSpec(block_size=BS, sliding_window=1)
+    assert one.window_blocks == 0
+    mgr = KVCacheManager(40, BS, specs=[FULL, one])
+    hashes = make_request("h", list(range(25)), BS).block_hashes
+    cache_pattern(mgr, hashes, 0, {0, 1, 2})
+    assert hit_ids(mgr, 25) == (([1, 2, 3], [0, 0, 0]), 12)
+    mgr.check_integrity()
+
+
 def test_sliding_window_needs_only_the_window_before_the_hit_point() -> None:
     mgr = KVCacheManager(40, BS, specs=[SW])
     hashes = make_request("h", list(range(25)), BS).block_hashes  # 6 full blocks
