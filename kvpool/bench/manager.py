@@ -75,7 +75,7 @@ def run(a: argparse.Namespace) -> dict:
                   hit_rate=hit_rate, belady_hit_rate=optimal, wall_s=wall, host_blocks=a.host_blocks,
                   host_hit_rate=host_hit_rate, blocks_swapped_out=mgr.swap_stats.blocks_out,
                   blocks_swapped_in=mgr.swap_stats.blocks_in,
-                  requests_per_s=len(trace) / wall, blocks_per_s=n_blocks / wall,
+                  requests_per_s=(len(trace) - r0.skipped) / wall, blocks_per_s=n_blocks / wall,
                   us_per_request_or_decode_token=per_op, waited=r0.waited, preempted=r0.preempted,
                   skipped=r0.skipped)
     n_req = (len(trace) if not (r0.waited or r0.preempted or r0.skipped) else

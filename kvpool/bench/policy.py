@@ -130,7 +130,7 @@ def run(a: argparse.Namespace) -> dict:
                 r = replay(case.trace, mgr, hasher, case.concurrency)
                 row_of[pol] = dict(trace=case.name, num_blocks=nb, concurrency=case.concurrency, policy=pol,
                                    host_blocks=a.host_blocks, hit_rate=r.hit_rate, belady_hit_rate=optimal,
-                                   gap_closed=None, requests_per_s=len(case.trace) / r.wall_s,
+                                   gap_closed=None, requests_per_s=(len(case.trace) - r.skipped) / r.wall_s,
                                    waited=r.waited, preempted=r.preempted, skipped=r.skipped)
             lru = row_of.get("lru", {}).get("hit_rate")
             for res in row_of.values():

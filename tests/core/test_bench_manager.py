@@ -93,6 +93,18 @@ def test_a_request_larger_than_the_pool_is_skipped_and_the_rest_replayed() -> No
     assert (r.hit_tokens, r.prompt_tokens) == (8, 20)  # b hits a's two full blocks; big is not counted
 
 
+def test_requests_per_second_counts_the_requests_replayed_not_the_skipped(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, [dict(id="big", prompt=list(range(40)), decode=[1]),
+                        *(dict(id=f"r{i}", prompt=list(range(100, 110)), decode=[i]) for i in range(3))])
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "bench", "manager", "--trace", str(trace),
+                          "--num-blocks", "9", "--block-size", "4", "--concurrency", "1", "--repeats", "1",
+                          "--no-belady", "--json"], capture_output=True, text=True, check=True).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    assert (res["requests"], res["skipped"]) == (4, 1)
+    assert res["requests_per_s"] * res["wall_s"] == pytest.approx(3)
+
+
 def test_a_request_skipped_mid_answer_takes_its_prompt_out_of_the_hit_rate() -> None:
     """Its prompt fits (and was looked up), its answer never does: skipped, it is not in the hit rate."""
     trace = [dict(id="a", prompt=list(range(10)), decode=[1]),
