@@ -156,7 +156,7 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
 
     t0 = time.perf_counter()
     refill()
-    n_out = n_prompt = n_cached = 0
+    n_out = n_prompt = n_cached = n_host = 0
     while eng.has_unfinished_requests():
         for out in eng.step():
             c, t, at = sent[out.request_id]
@@ -168,6 +168,7 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
             n_out += len(out.token_ids)
             n_prompt += len(out.prompt_token_ids)
             n_cached += out.num_cached_tokens
+            n_host += out.metrics.num_host_cached_tokens if out.metrics is not None else 0
             history[c] += convs[c][t][1]
             turn[c] += 1
             busy.discard(c)
@@ -183,7 +184,7 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
                # What each request saw at its first admission (a preempted one is admitted again: the
                # manager's counters, lookup_hit_rate, count it twice)
                hit_rate=n_cached / n_prompt if n_prompt else 0.0, lookup_hit_rate=st.hit_rate,
-               host_hit_rate=st.host_hits / st.queries if st.queries else 0.0,
+               host_hit_rate=n_host / n_prompt if n_prompt else 0.0,
                device_blocks=kw["num_blocks"], blocks_swapped_out=eng.kv.swap_stats.blocks_out,
                blocks_swapped_in=eng.kv.swap_stats.blocks_in,
                bytes_copied=(eng.kv.swap_stats.blocks_out + eng.kv.swap_stats.blocks_in) * eng.runner.bytes_per_block,

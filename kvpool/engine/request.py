@@ -41,6 +41,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_host_cached_tokens: int = 0  # of those, tokens copied in from the host tier
 
     @property
     def ttft(self) -> float | None:

@@ -158,6 +158,8 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 req.metrics.num_cached_tokens = n_hit
+                if n_hit:
+                    req.metrics.num_host_cached_tokens = hit.num_host_positions() * self.kv.block_size
             req.num_computed_tokens = n_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -118,6 +118,7 @@ def test_host_tier_gives_identical_tokens(tiny_llama_dir: Path, expected: list[l
     stats = eng.kv.take_prefix_cache_stats()
     assert again.token_ids == expected[0]
     assert stats.hits >= 72 and stats.host_hits == stats.hits and again.num_cached_tokens == stats.hits
+    assert again.metrics is not None and again.metrics.num_host_cached_tokens == stats.hits
     assert eng.runner.num_blocks_swapped_in == eng.kv.swap_stats.blocks_in > 0
     # And everything again, device and host hits mixed, with preemption.
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(N_NEW), use_tqdm=False)] == expected
