@@ -105,6 +105,7 @@ class Replica:
     # and retried elsewhere when it changes (a frozen replica never answers, and never drops the connection).
     downs: int = 0
     subscriber: EventSubscriber | None = None
+    instance: str | None = None  # the id of its KV-event stream, as its /health last told it
 
     @property
     def name(self) -> str:
@@ -308,8 +309,11 @@ class Router:
 
     def _check(self, client: httpx.Client, rep: Replica) -> None:
         polled_at = time.monotonic()  # before the request: a completion during it makes the poll stale
+        instance = None
         try:
-            ok = client.get(f"{rep.name}/health").status_code == 200
+            health = client.get(f"{rep.name}/health")
+            ok = health.status_code == 200
+            instance = health.headers.get("kvpool-instance") if ok else None
             text = client.get(f"{rep.name}/metrics").text if ok else ""
             answered = True
         except httpx.TimeoutException:
@@ -326,6 +330,14 @@ class Router:
             rep.missed_checks = 0
         with self._lock:
             back = ok and not rep.healthy
+            # A new stream id from a replica never seen down: it restarted between two checks, and its
+            # new stream's first batches (which would have said so) may be lost.
+            restarted = instance is not None and rep.instance is not None and instance != rep.instance
+            if instance is not None:
+                rep.instance = instance
+            if restarted and not back:
+                log.warning("router: replica %s restarted (new event stream %s)", rep.name, instance)
+                back = True
             if ok != rep.healthy:
                 log.warning("router: replica %s is %s", rep.name, "back" if ok else "down")
                 if not ok:

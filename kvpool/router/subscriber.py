@@ -10,8 +10,9 @@ and host tiers are empty. So does a change of the publisher's instance id, which
 its end marker: the subscriber learns it with each replay, and when a live batch's number is below the next
 one it expects before any live batch was read (the batch may be one the replay gave it, or the first of a
 restarted replica), it asks the replay for the id again rather than guess. A gap's replay tells it too.
-(Not seen: a restart whose lost first batches end right at the number expected next; the batches keep
-vLLM's shape, which has no room for the id.)
+(Not seen here: a restart whose lost first batches end right at the number expected next; the batches keep
+vLLM's shape, which has no room for the id. The router's health checks see it: a kvpool replica's /health
+names its stream's id, and a new one makes the router resync the replica.)
 At start-up the subscriber asks for a replay from 0, so a router started after its replicas still learns
 what they already cache.
 

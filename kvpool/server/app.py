@@ -112,7 +112,11 @@ class _TextDeltas:
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, api_key: str | None = None,
-               max_body_bytes: int = 4 << 20, media: MediaOptions | None = None) -> FastAPI:
+               max_body_bytes: int = 4 << 20, media: MediaOptions | None = None,
+               kv_events_instance: str | None = None) -> FastAPI:
+    """`kv_events_instance`: the id of the replica's KV-event stream, told on /health (header
+    `kvpool-instance`) so that a router polling it sees a restart even when the new stream's first
+    batches are lost (the id changes with every process)."""
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     media = media or MediaOptions()
@@ -205,7 +209,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     async def health() -> Response:
         if not engine.is_alive:
             return APIError(503, "the engine is not running").response()
-        return JSONResponse({"status": "ok"})
+        headers = {"kvpool-instance": kv_events_instance} if kv_events_instance else None
+        return JSONResponse({"status": "ok"}, headers=headers)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -88,7 +88,7 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
         publisher.bind()
         async_engine.add_listener(publisher.observe)
     app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
-                     media=media)
+                     media=media, kv_events_instance=None if publisher is None else publisher.instance)
     return app, async_engine, metrics, publisher
 
 

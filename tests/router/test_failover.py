@@ -410,3 +410,37 @@ def test_a_restarted_replica_has_its_old_blocks_forgotten(chat_llama_dir: Path, 
     finally:
         front.stop()
         h.stop()
+
+
+def test_a_restart_between_two_health_checks_is_seen_by_the_stream_id_on_health(
+        chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    """The replica restarts while no check looks (here: one check an hour) and sends no event yet: its
+    sequence numbers cannot tell, but /health names the new stream, and the next check forgets its blocks."""
+    port = free_port()
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+    def start() -> ServerHandle:
+        return start_server(make_engine(chat_llama_dir, enable_kv_events=True), served_model_name="tiny", port=port,
+                            kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
+
+    h = start()
+    first = httpx.get(f"{h.url}/health").headers["kvpool-instance"]
+    front = start_front([ReplicaSpec(h.url, events=pub, replay=replay)], chat_tokenizer, health_interval_s=3600)
+    try:
+        rep = front.router.replicas[h.url]
+        wait_until(lambda: rep.instance == first)
+        r = httpx.post(f"{h.url}/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        wait_until(lambda: front.router.index.num_blocks(h.url) >= 3)
+        h.stop()
+        h = start()
+        assert httpx.get(f"{h.url}/health").headers["kvpool-instance"] not in (first, "")
+        time.sleep(0.3)
+        assert front.router.index.num_blocks(h.url) >= 3  # nothing told the router yet
+        with httpx.Client(timeout=5) as client:
+            front.router._check(client, rep)
+        assert rep.healthy and rep.instance != first
+        wait_until(lambda: front.router.index.num_blocks(h.url) == 0, timeout=2)
+    finally:
+        front.stop()
+        h.stop()
