@@ -34,8 +34,11 @@ def sample(logits: torch.Tensor, params: list[SamplingLike],
             continue
         row = logits[i] / p.temperature
         if 0 < p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
+            # Chosen on the logits, before the temperature: a huge one rounds them all to one value (a
+            # float32 overflow to inf even to 0), and the k kept must still be the k largest (top_k=1 stays
+            # the argmax).
+            kth = torch.topk(logits[i], p.top_k).values[-1]
+            row = row.masked_fill(logits[i] < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             # Keep the smallest set whose mass reaches top_p, as transformers and vLLM do: in ascending order,

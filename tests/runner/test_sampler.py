@@ -40,3 +40,11 @@ def test_top_k_keeps_the_k_largest() -> None:
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.3, 1.9]])
     want = set(torch.isfinite(TopKLogitsWarper(3)(None, logits.clone())[0]).nonzero().flatten().tolist())
     assert kept(logits, top_k=3) == want == {1, 3, 5}
+
+
+@pytest.mark.parametrize("temperature", [1e30, 1e300])
+def test_top_k_keeps_the_k_largest_at_any_temperature(temperature: float) -> None:
+    # Divided by such a temperature every logit rounds to 0: the k kept are chosen before the division.
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.3, 1.9]])
+    assert kept(logits, top_k=1, temperature=temperature) == {1}
+    assert kept(logits, top_k=3, temperature=temperature) == {1, 3, 5}
