@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -384,14 +384,20 @@ def test_a_failing_health_check_counts_as_missed(chat_tokenizer: Any, monkeypatc
         rep.stop()
 
 
-def test_a_restarted_replica_has_its_old_blocks_forgotten(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+def restartable_replica(model_dir: Path) -> tuple[Callable[[], ServerHandle], str, str]:
+    """A replica with KV events that can be started again on the same port and endpoints (a restart)."""
     port = free_port()
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
 
     def start() -> ServerHandle:
-        return start_server(make_engine(chat_llama_dir, enable_kv_events=True), served_model_name="tiny", port=port,
+        return start_server(make_engine(model_dir, enable_kv_events=True), served_model_name="tiny", port=port,
                             kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
 
+    return start, pub, replay
+
+
+def test_a_restarted_replica_has_its_old_blocks_forgotten(chat_llama_dir: Path, chat_tokenizer: Any) -> None:
+    start, pub, replay = restartable_replica(chat_llama_dir)
     h = start()
     front = start_front([ReplicaSpec(h.url, events=pub, replay=replay)], chat_tokenizer, health_interval_s=0.1)
     try:
@@ -416,13 +422,7 @@ def test_a_restart_between_two_health_checks_is_seen_by_the_stream_id_on_health(
         chat_llama_dir: Path, chat_tokenizer: Any) -> None:
     """The replica restarts while no check looks (here: one check an hour) and sends no event yet: its
     sequence numbers cannot tell, but /health names the new stream, and the next check forgets its blocks."""
-    port = free_port()
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-
-    def start() -> ServerHandle:
-        return start_server(make_engine(chat_llama_dir, enable_kv_events=True), served_model_name="tiny", port=port,
-                            kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
-
+    start, pub, replay = restartable_replica(chat_llama_dir)
     h = start()
     first = httpx.get(f"{h.url}/health").headers["kvpool-instance"]
     front = start_front([ReplicaSpec(h.url, events=pub, replay=replay)], chat_tokenizer, health_interval_s=3600)
