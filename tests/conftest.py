@@ -48,9 +48,10 @@ def chat_mllama_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) ->
 
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding one picture (cat.png), for file:// image URLs."""
+    """A folder holding one picture (cat.png), for file:// image URLs, and a symbolic link to itself (loop)."""
     from helpers import picture
 
     d = tmp_path_factory.mktemp("media")
     (d / "cat.png").write_bytes(picture(7))
+    (d / "loop").symlink_to(d / "loop")
     return d

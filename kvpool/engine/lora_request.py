@@ -85,16 +85,34 @@ class LoRARegistry:
         self.manager = manager  # kvpool.runner.lora.LoRAManager
         self.requests: dict[str, LoRARequest] = {}
         self.digests: dict[str, str] = {}  # name -> digest of the adapter's files
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the maps (read by every request)
+        # New adapters one at a time, from the check to the insert: two requests naming one new adapter
+        # from two folders (or one id for two names) at once must not both pass the check and load.
+        self._adding = threading.Lock()
 
     def add(self, req: LoRARequest) -> str:
         """The adapter's name (its cache key); ValueError for a conflicting or unloadable adapter."""
         if not isinstance(req, LoRARequest):
             raise ValueError(f"lora_request: expected a LoRARequest, got {type(req).__name__}")
+        if self._known(req):
+            return req.lora_name
+        with self._adding:  # (loading reads the folder: the maps' lock stays free for known adapters)
+            if self._known(req):
+                return req.lora_name
+            self.manager.register(req.lora_name, req.lora_path)
+            folder = Path(req.lora_path)
+            digest = files_digest([folder / "adapter_config.json", folder / "adapter_model.safetensors"])
+            with self._lock:
+                self.requests[req.lora_name] = req
+                self.digests[req.lora_name] = digest
+        return req.lora_name
+
+    def _known(self, req: LoRARequest) -> bool:
+        """True if `req` is a registered adapter; ValueError if it conflicts with one (name or id)."""
         with self._lock:
             have = self.requests.get(req.lora_name)
             if have is not None and have.lora_int_id == req.lora_int_id and have.lora_path == req.lora_path:
-                return req.lora_name
+                return True
             if have is not None:
                 raise ValueError(f"lora_request: adapter name {req.lora_name!r} is already in use as id "
                                  f"{have.lora_int_id} from {have.lora_path!r}")
@@ -102,13 +120,7 @@ class LoRARegistry:
                 if other.lora_int_id == req.lora_int_id:
                     raise ValueError(f"lora_request: lora_int_id {req.lora_int_id} is already adapter "
                                      f"{other.lora_name!r}")
-        self.manager.register(req.lora_name, req.lora_path)  # reads the folder: outside the lock
-        folder = Path(req.lora_path)
-        digest = files_digest([folder / "adapter_config.json", folder / "adapter_model.safetensors"])
-        with self._lock:
-            self.requests.setdefault(req.lora_name, req)
-            self.digests.setdefault(req.lora_name, digest)
-        return req.lora_name
+        return False
 
     def content_digest(self, name: str) -> str:
         """The digest of a registered adapter's files (hashed into its blocks with its name)."""

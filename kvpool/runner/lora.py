@@ -323,15 +323,21 @@ class LoRAManager:
         with self._lock:
             have = self.adapters.get(name)
             if have is not None:
-                if Path(have.path).resolve() != Path(path).resolve():
-                    raise ValueError(f"lora_request: adapter name {name!r} is already loaded from {have.path!r}; "
-                                     f"a name always means one adapter (its cached blocks are keyed by it)")
-                return have
+                return self._same_folder(have, path)
         adapter = load_adapter(name, path, self.arch, max_rank=self.max_rank, dtype=self.dtype, device=self.device)
         with self._lock:
-            adapter = self.adapters.setdefault(name, adapter)
+            have = self.adapters.setdefault(name, adapter)
+        if have is not adapter:  # another thread registered the name meanwhile
+            return self._same_folder(have, path)
         log.info("LoRA adapter %s loaded from %s (rank %d; %s)", name, path, adapter.rank, ", ".join(adapter.targets))
         return adapter
+
+    @staticmethod
+    def _same_folder(have: LoRAAdapter, path: str) -> LoRAAdapter:
+        if Path(have.path).resolve() != Path(path).resolve():
+            raise ValueError(f"lora_request: adapter name {have.name!r} is already loaded from {have.path!r}; "
+                             f"a name always means one adapter (its cached blocks are keyed by it)")
+        return have
 
     # -- steps (the engine thread) ---------------------------------------------------------------------
 

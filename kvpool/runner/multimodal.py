@@ -42,6 +42,9 @@ class ImageInput:
 def numeric_tensor(value: Any, name: str) -> torch.Tensor:
     """A CPU tensor of real numbers from a tensor, an array or nested lists; ValueError naming the field
     (`mm_inputs: {name} ...`) otherwise."""
+    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_meta):
+        raise ValueError(f"mm_inputs: {name} must be a dense tensor holding its values, got one with layout "
+                         f"{value.layout} on {value.device}")
     try:
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
     except (TypeError, ValueError, RuntimeError) as e:
@@ -87,6 +90,22 @@ def content_hash(kind: str, t: torch.Tensor) -> str:
     a = t.detach().to("cpu").contiguous()
     h = hashlib.sha256(f"{kind}|{a.dtype}|{tuple(a.shape)}|".encode())
     h.update(a.view(torch.uint8).numpy().tobytes() if a.numel() else b"")
+    return h.hexdigest()
+
+
+def encoder_identity(encoder: nn.Module) -> str:
+    """A digest of what a vision encoder computes with: its class and every parameter and buffer (names,
+    dtypes, shapes, bytes). An image's key carries it, so KV computed from another tower's embeddings of
+    the same pixels (another replica sharing a store, a restart with new encoder weights) is never a hit."""
+    import xxhash
+
+    cls = type(encoder)
+    h = xxhash.xxh3_128(f"{cls.__module__}.{cls.__qualname__}|".encode())
+    for name, t in encoder.state_dict().items():
+        a = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
+        if a.numel():
+            h.update(a.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -160,18 +179,27 @@ class MultiModalProcessor:
                  cache: EncoderCache | None = None) -> None:
         self.hidden_size = hidden_size
         self.encoder = encoder
-        if encoder is not None and getattr(encoder, "out_dim", hidden_size) != hidden_size:
-            raise ValueError(f"vision_encoder: outputs {encoder.out_dim} features; the model's hidden size is "
-                             f"{hidden_size}")
+        self.encoder_id = ""
+        if encoder is not None:
+            if not isinstance(encoder, nn.Module) or not callable(getattr(encoder, "check", None)) \
+                    or not isinstance(getattr(encoder, "num_tokens", None), int):
+                raise ValueError(f"vision_encoder: expected an nn.Module with check(pixels) and num_tokens (see "
+                                 f"kvpool.runner.vision), got {type(encoder).__name__}")
+            if getattr(encoder, "out_dim", hidden_size) != hidden_size:
+                raise ValueError(f"vision_encoder: outputs {encoder.out_dim} features; the model's hidden size "
+                                 f"is {hidden_size}")
+            self.encoder_id = encoder_identity(encoder)
         self.cache = cache if cache is not None else EncoderCache(cache_bytes)
         self.encoder_runs = 0
 
     def prepare_request(self, token_ids: Sequence[int], mm_inputs: Sequence[MMInput],
                         mm_items: Sequence[MultiModalItem], cache_salt: str | None = None) -> PreparedInputs | None:
-        if not mm_inputs:
-            return None  # mm_items (hashes only), if any, go to the request as they are
         if mm_items:
-            raise ValueError("mm_inputs: give mm_inputs (content) or mm_items (hashes only), not both")
+            # Hashes without content: the placeholder tokens' KV would be computed from their plain embeddings
+            # and cached under the items' hashes, where a later request with the real content would hit it.
+            raise ValueError("mm_items: give the inputs themselves (mm_inputs); their hashes are computed from them")
+        if not mm_inputs:
+            return None
         placed = self.prepare(mm_inputs, len(token_ids))
         if cache_salt is not None:
             # The encoder cache is keyed by the inputs' hashes: salted, one tenant's image never serves another's
@@ -213,7 +241,9 @@ class MultiModalProcessor:
             if x.offset < 0 or x.offset + length > num_prompt_tokens:
                 raise ValueError(f"mm_inputs: {kind} at offset {x.offset} needs {length} placeholder tokens; the "
                                  f"prompt has {num_prompt_tokens}")
-            placed.append(PlacedInput(MultiModalItem(content_hash(kind, data), x.offset, length), kind, data))
+            # An image's key names the encoder too: its embeddings, not only the pixels, make the KV.
+            key = content_hash(kind if kind == "embeds" else f"image|{self.encoder_id}", data)
+            placed.append(PlacedInput(MultiModalItem(key, x.offset, length), kind, data))
         placed.sort(key=lambda p: p.item.offset)
         for a, b in itertools.pairwise(placed):
             if a.item.offset + a.item.length > b.item.offset:

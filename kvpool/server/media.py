@@ -121,7 +121,7 @@ def _read_file_url(url: str, where: str, opts: MediaOptions) -> bytes:
     try:
         path = Path(urllib.request.url2pathname(parsed.path)).resolve()
         root = opts.allowed_local_media_path.resolve()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # (RuntimeError: a symlink loop, before Python 3.13)
         raise _unreadable(url, where, e) from None
     if not path.is_relative_to(root):
         raise ValueError(f"{where}: {str(path)!r} is outside the allowed local media path {str(root)!r}")

@@ -289,3 +289,46 @@ def test_smollm2_adapters_equal_peft(smol_dir: Path, smol_adapters: dict[str, Pa
     names = ["all", None, "attn", "all", "attn", None]
     outs = llm.generate(prompts * 3, sp, use_tqdm=False, lora_request=[loras[n] if n else None for n in names])
     assert [o.token_ids for o in outs] == [want[n][i % 2] for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("clash", ["name", "id"])
+def test_two_requests_registering_clashing_adapters_at_once_one_is_refused(
+        tiny_llama_dir: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch, clash: str) -> None:
+    """One name from two folders (or one id for two names), registered from two threads at once: loading is
+    slow, so both once passed the check and both ran with whichever adapter loaded first."""
+    import threading
+    import time
+
+    from kvpool.runner import lora
+
+    load = lora.load_adapter
+
+    def slow_load(*a: object, **kw: object) -> object:
+        time.sleep(0.3)  # both threads are past their checks before either inserts
+        return load(*a, **kw)
+
+    monkeypatch.setattr(lora, "load_adapter", slow_load)
+    eng = tiny_llm(tiny_llama_dir).engine
+    reqs = ([LoRARequest("z", 1, str(adapters["attn"])), LoRARequest("z", 1, str(adapters["all"]))]
+            if clash == "name" else
+            [LoRARequest("y", 1, str(adapters["attn"])), LoRARequest("w", 1, str(adapters["all"]))])
+    got: list[object] = [None, None]
+    start = threading.Barrier(2)
+
+    def make(i: int) -> None:
+        start.wait()
+        try:
+            got[i] = eng.make_request([1, 2, 3], SamplingParams.greedy(2), lora_request=reqs[i])
+        except ValueError as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [g for g in got if isinstance(g, ValueError)]
+    assert len(errors) == 1, got
+    assert ("already in use" if clash == "name" else "already adapter") in str(errors[0])
+    kept = reqs[got.index(next(g for g in got if not isinstance(g, ValueError)))]
+    assert [(r.lora_name, r.lora_path) for r in eng.list_loras()] == [(kept.lora_name, kept.lora_path)]

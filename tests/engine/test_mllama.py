@@ -271,6 +271,11 @@ def test_image_needs_its_token(mllama_dir: Path) -> None:
     assert str(e.value) == "mm_items: a cross-attention model needs the image itself (mm_inputs)"
     with pytest.raises(ValueError, match=r"^prompt_token_ids: token ids must be in \[0, 264\)"):
         llm.engine.add_request([264], SamplingParams.greedy(2))
+    from kvpool.runner.vision import TinyVisionEncoder
+
+    with pytest.raises(ValueError, match=r"^vision_encoder: Mllama reads images with its own vision tower"):
+        LLM(str(mllama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=100,
+            vision_encoder=TinyVisionEncoder(out_dim=64))
 
 
 def test_bfloat16_packed_runs(mllama_dir: Path, reference: list[list[int]]) -> None:

@@ -26,10 +26,9 @@ def image(seed: int) -> torch.Tensor:
 
 
 def engine(model: Path, caching: bool = True, **kw: object) -> LLMEngine:
-    kw = {"num_blocks": 64, **kw}
+    kw = {"num_blocks": 64, "stage_outputs": True, "vision_encoder": TinyVisionEncoder(out_dim=64, seed=0), **kw}
     return LLMEngine(model=str(model), dtype="float32", skip_tokenizer_init=True, block_size=4, batch_invariant=True,
-                     enable_prefix_caching=caching, stage_outputs=True,
-                     vision_encoder=TinyVisionEncoder(out_dim=64, seed=0), **kw)
+                     enable_prefix_caching=caching, **kw)
 
 
 def run(eng: LLMEngine, prompt: list[int], images: list[ImageInput]) -> RequestOutput:
@@ -117,7 +116,12 @@ def test_image_file_and_bad_inputs(tiny_llama_dir: Path, tmp_path: Path) -> None
                                                                   r"torch\.bool"),
            (EmbedsInput(0, [["x"] * 64] * 2), r"mm_inputs: embeddings must be an array of numbers"),
            (EmbedsInput("2", torch.zeros(2, 64)), r"mm_inputs: embeds offset must be an int, got '2'"),
-           (EmbedsInput(2.5, torch.zeros(2, 64)), r"mm_inputs: embeds offset must be an int, got 2\.5")]
+           (EmbedsInput(2.5, torch.zeros(2, 64)), r"mm_inputs: embeds offset must be an int, got 2\.5"),
+           (EmbedsInput(0, torch.zeros(2, 64, device="meta")), r"mm_inputs: embeddings must be a dense tensor "
+                                                              r"holding its values, got one with layout torch\.strided "
+                                                              r"on meta"),
+           (ImageInput(0, torch.zeros(3, 8, 8).to_sparse()), r"mm_inputs: image pixels must be a dense tensor .*"
+                                                            r"torch\.sparse_coo")]
     for x, message in bad:
         with pytest.raises(ValueError, match=message):
             eng.add_request([P] * 8, mm_inputs=[x])
@@ -175,3 +179,35 @@ def test_encoder_cache_is_lru_bounded_by_bytes() -> None:
     assert c.keys() == ["a", "c"]
     with pytest.raises(ValueError, match="encoder_cache_size: must be >= 0 bytes, got -1"):
         EncoderCache(-1)
+
+
+def test_an_image_key_names_the_encoder_so_a_shared_store_never_serves_another_towers_kv(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Two engines sharing a store, the same model and pixels, different vision towers: the second must
+    compute its own KV (the first one's embeddings of the same picture are not its own)."""
+    prompt, img = [P] * 4 + list(range(10, 30)), [ImageInput(0, image(0))]
+
+    def tokens(seed: int, store: bool) -> tuple[list[int], int]:
+        kw = dict(num_host_blocks=64, write_through=True, kv_store=f"file://{tmp_path}") if store else {}
+        eng = engine(tiny_llama_dir, vision_encoder=TinyVisionEncoder(out_dim=64, seed=seed), stage_outputs=False,
+                     **kw)
+        out = run(eng, prompt, img)
+        if eng.store is not None:
+            eng.store.close()
+        return out.token_ids, out.num_cached_tokens
+
+    first = tokens(0, store=True)
+    assert tokens(0, store=True) == (first[0], 20)  # the same tower hits the store
+    own = tokens(1, store=False)
+    assert own[0] != first[0] and tokens(1, store=True) == (own[0], 0)
+
+
+def test_hashes_without_content_and_a_vision_encoder_that_is_not_one_are_refused(tiny_llama_dir: Path) -> None:
+    from kvpool.core.request import MultiModalItem
+
+    eng = engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"^mm_items: give the inputs themselves \(mm_inputs\)"):
+        eng.add_request([P] * 4 + [9, 10], mm_items=[MultiModalItem("h", 0, 4)])
+    assert eng.kv.get_num_free_blocks() == 63 and not eng.has_unfinished_requests()
+    with pytest.raises(ValueError, match=r"^vision_encoder: expected an nn.Module with check\(pixels\) and num_tokens"):
+        engine(tiny_llama_dir, vision_encoder="siglip")

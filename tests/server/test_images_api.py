@@ -262,6 +262,7 @@ BAD = [
     ("a name over the OS's limit", chat("file:///MEDIA/" + "a" * 300 + ".png"), P0, "aaa.png' (File name too long)"),
     ("a NUL byte", chat("file:///MEDIA/a%00b.png"), P0, "a%00b.png' (embedded null byte)"),
     ("a malformed host", chat("file://[x/cat.png"), P0, f"{P0}: cannot read 'file://[x/cat.png' (Invalid IPv6 URL)"),
+    ("a symbolic link loop", chat("file:///MEDIA/loop"), P0, f"{P0}: cannot read 'file://"),
     ("the image token typed in the text too", chat(data_url(picture(1)), text="<|image|> twice?"), "messages",
      "messages: the prompt must hold the image token (id 49152) exactly once for its image; found it 2 times"),
     ("unknown part", {"model": "vis", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},

@@ -260,7 +260,14 @@ _FUSED = {("self_attn", "q_proj"): ("qkv_proj", 0, 3), ("self_attn", "k_proj"): 
           ("mlp", "up_proj"): ("gate_up_proj", 1, 2)}
 
 
-@register_model("mllama", arch=MllamaArch, inputs=lambda model, encoder, cache: MllamaInputs(model, cache))
+def _mllama_inputs(model: Any, encoder: Any, cache: EncoderCache) -> MllamaInputs:
+    if encoder is not None:  # (taking it would leave it unused: every picture goes through the model's tower)
+        raise ValueError("vision_encoder: Mllama reads images with its own vision tower (from its weights); "
+                         "leave vision_encoder unset")
+    return MllamaInputs(model, cache)
+
+
+@register_model("mllama", arch=MllamaArch, inputs=_mllama_inputs)
 class MllamaForConditionalGeneration(LlamaForCausalLM):
     """Shares Llama's forward loop (per-layer metadata), rotary embedding and logits."""
 
