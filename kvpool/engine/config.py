@@ -226,6 +226,7 @@ class EngineConfig:
             raise ValueError(f"kv_store_deadline: must be > 0 seconds, got {d!r}")
         self.kv_cache_bytes()
         self.swap_space_bytes()
+        parse_size(self.encoder_cache_size, "encoder_cache_size")
         b = self.pin_budget
         if isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b <= 1:
             raise ValueError(f"pin_budget: a fraction of the pool in [0, 1], got {b!r}")

@@ -162,6 +162,8 @@ def test_every_switch_and_the_hash_seed_are_checked(kw: dict, message: str) -> N
     (dict(kv_store_deadline_s="2"), r"^kv_store_deadline: must be > 0 seconds, got '2'"),
     # An empty device name silently meant the default device.
     (dict(device=""), r"^device: must be a string such as 'cpu' or 'cuda', or None, got ''"),
+    # Checked once the model had loaded, before.
+    (dict(encoder_cache_size="lots"), r"^encoder_cache_size: cannot read 'lots' as a size"),
 ])
 def test_lora_counts_the_model_the_deadline_and_the_device_are_checked(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
