@@ -197,7 +197,7 @@ class EngineStore:
     def pump(self) -> list[Any]:
         """Land completed reads in host blocks; the held requests that may be scheduled now, in order."""
         if self.hybrid:
-            self.tier.land_with(self._land_hybrid)
+            self.tier.land_with(self._land_hybrid, lambda tp: self.tier.fits(tp[2], self.pages[tp[0]].nbytes))
         else:
             self.tier.land(self.pool.shelter, self.pool.free_blocks, self.caches)
         ready = [rid for rid in self._held if self.tier.ready(rid)]

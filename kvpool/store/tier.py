@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.store.base import moving_average
-from kvpool.store.blocks import Caches, gather, scatter
+from kvpool.store.blocks import Caches, block_nbytes, gather, scatter
 from kvpool.store.worker import StoreWorker
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class StoreTier:
         self.worker = worker
         self.deadline_s = deadline_s
         self.block_bytes = block_bytes
+        self._wrong_size: tuple[int, int] | None = None
         # Seconds to recompute one block, if known (the engine times its prompt steps: `observe_compute`):
         # a request does not wait on a read expected to take longer; the read goes out behind it.
         self.recompute_s_per_block = recompute_s_per_block
@@ -190,6 +191,8 @@ class StoreTier:
         """Write every completed read into host blocks. `shelter(hash)` gives a pinned host block (or None:
         already there, or no room) and `release(blocks)` unpins them once written. Returns blocks landed."""
 
+        nbytes = block_nbytes(caches)
+
         def sink(pairs: list[tuple[bytes, Any]]) -> int:
             blocks, ids, data = [], [], []
             for h, p in pairs:
@@ -204,11 +207,23 @@ class StoreTier:
                 release(blocks)
             return len(ids)
 
-        return self.land_with(sink)
+        return self.land_with(sink, lambda p: self.fits(p, nbytes))
 
-    def land_with(self, sink: Callable[[list[tuple[bytes, Any]]], int]) -> int:
+    def fits(self, payload: bytes | bytearray | memoryview, nbytes: int) -> bool:
+        """Whether a verified payload is one block of this layout. A value framed and checksummed under this
+        fingerprint can still be another size (a writer with a bug, or anyone who can write to a shared
+        store): landing it would fail the copy inside the step and stop the engine. It is a corrupt value,
+        a miss."""
+        if len(payload) == nbytes:
+            return True
+        self.stats.add(corrupt=1)
+        self._wrong_size = (len(payload), nbytes)  # (logged once per landing, by `land_with`)
+        return False
+
+    def land_with(self, sink: Callable[[list[tuple[bytes, Any]]], int], fits: Callable[[Any], bool]) -> int:
         """Hand every completed read's (key, payload) pairs to `sink`, which writes them into host blocks
-        and returns how many it landed. A chain read stops at its first miss. Returns blocks landed."""
+        and returns how many it landed; a payload `fits` refuses (see `fits`) is a miss. A chain read stops
+        at its first miss. Returns blocks landed."""
         landed = 0
         still: list[_Fetch] = []
         for f in self._fetches:
@@ -229,7 +244,7 @@ class StoreTier:
                 continue
             pairs: list[tuple[bytes, Any]] = []
             for h, p in zip(f.hashes, payloads, strict=True):
-                if p is None:
+                if p is None or not fits(p):
                     if f.chain:
                         break  # a chain: blocks after a miss cannot be used as a prefix
                     continue
@@ -238,6 +253,10 @@ class StoreTier:
                 landed += sink(pairs)
         self._fetches = still
         self.blocks_landed += landed
+        if self._wrong_size is not None:
+            log.warning("KV store: values of the wrong size (%d bytes where a block has %d, the last one); "
+                        "treated as misses", *self._wrong_size)
+            self._wrong_size = None
         return landed
 
     def ready(self, request_id: str) -> bool:

@@ -83,6 +83,38 @@ def test_corrupt_store_is_a_miss(tiny_llama_dir: Path, tmp_path: Path, expected:
     second.engine.store.close()
 
 
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_a_well_framed_value_of_the_wrong_size_is_a_miss(tiny_llama_dir: Path, tmp_path: Path, backend: str,
+                                                         expected: list[list[int]],
+                                                         request: pytest.FixtureRequest) -> None:
+    """A value framed and checksummed under this replica's fingerprint whose payload is not one block (a
+    writer with a bug, or anyone writing to the shared store): it once failed the copy inside the step,
+    stopped the engine for good and left the host blocks sheltered for it pinned."""
+    from kvpool.core.request import CacheRequest
+    from kvpool.store.base import decode_value, encode_value
+
+    url = f"file://{tmp_path}" if backend == "file" else request.getfixturevalue("redis_server").url
+    first = make(tiny_llama_dir, url)
+    run(first, prompts())
+    first.engine.store.close()
+    second = make(tiny_llama_dir, url)
+    st = second.engine.store
+    fp, store = st.tier.worker.store.fp, open_store(url)
+    hashes = CacheRequest("x", prompts()[0], hasher=second.engine.hasher).block_hashes
+    for h in hashes[:3]:
+        payload = decode_value(fp, h, store.get_many([fp.key(h)])[0])
+        assert payload is not None
+        store.put_many([(fp.key(h), encode_value(fp, h, payload[:-1]))])
+    outs = run(second, prompts())
+    assert [o.token_ids for o in outs] == expected
+    # The first prompt misses from its first block on (a chain stops at its first miss); the others hit.
+    full = (61 - 1) // BS * BS
+    assert [o.num_cached_tokens for o in outs] == [0, full, full]
+    assert st.stats.corrupt == 1 and st.tier.blocks_landed == 2 * (full // BS)  # (a chain stops at a miss)
+    second.engine.kv.check_integrity()
+    st.close()
+
+
 def test_store_killed_mid_run(tiny_llama_dir: Path, redis_server: RedisServer, expected: list[list[int]]) -> None:
     llm = make(tiny_llama_dir, redis_server.url)
     assert [o.token_ids for o in run(llm, prompts()[:1])] == expected[:1]
