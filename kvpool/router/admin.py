@@ -28,20 +28,35 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvpool.server.errors import APIError, read_raw
+from kvpool.server.errors import APIError, read_raw, until_disconnected
 from kvpool.server.json_body import parse_json_object
 
 if TYPE_CHECKING:
     from kvpool.router.app import Router
 
 log = logging.getLogger("kvpool.router")
+T = TypeVar("T")
+
+WATCH_POLL_S = 0.1  # how often a request waiting on a replica looks whether it has been marked down
+
+
+async def while_up(work: Awaitable[T], router: Router, name: str, request: Request | None = None
+                   ) -> tuple[bool, T | None]:
+    """(True, what `work` gives), or (False, None) once replica `name` is marked down (or the client has
+    left): `work` is then cancelled. A frozen replica accepts a request and never answers; without this,
+    whoever waits on it (a client listing models, pinning, resetting) waits forever, as the router's
+    requests to replicas have no read timeout (a long generation is not a fault)."""
+    rep = router.replicas[name]
+    epoch = rep.downs
+    return await until_disconnected(work, request, WATCH_POLL_S, stop=lambda: rep.downs != epoch)
 
 _FORWARD_HEADERS = ("authorization", "content-type", "accept")
 PIN_CHECK_S = 1.0  # how often the router makes sure every healthy replica holds every live pin
@@ -94,14 +109,18 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
         return pins
 
     async def each(method: str, path: str, headers: dict[str, str], content: bytes | None = None,
-                   only: dict[str, str] | None = None) -> list[tuple[str, httpx.Response | None]]:
+                   only: dict[str, str] | None = None, request: Request | None = None
+                   ) -> list[tuple[str, httpx.Response | None]]:
         """The request on every healthy replica (or on `only`'s, each with its own path suffix), at once;
-        None for a replica that could not be reached (it is marked down)."""
+        None for a replica that could not be reached (it is marked down) or was marked down meanwhile (or
+        when the client that asked, `request`, has left)."""
         targets = only if only is not None else {n: "" for n, r in router.replicas.items() if r.healthy}
 
         async def one(name: str, suffix: str) -> tuple[str, httpx.Response | None]:
             try:
-                return name, await client.request(method, f"{name}{path}{suffix}", content=content, headers=headers)
+                _, r = await while_up(client.request(method, f"{name}{path}{suffix}", content=content,
+                                                     headers=headers), router, name, request)
+                return name, r
             except httpx.HTTPError:
                 router.mark_down(name)
                 return name, None
@@ -110,7 +129,7 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
 
     async def refused(request: Request) -> Response | None:
         """A replica's answer when it does not let this client in (the router checks no key itself)."""
-        for _, r in await each("GET", "/v1/pins", forward_headers(request)):
+        for _, r in await each("GET", "/v1/pins", forward_headers(request), request=request):
             if r is not None and r.status_code in (401, 403):
                 return _relay(r)
         return None
@@ -176,7 +195,7 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
     async def pin(request: Request) -> Response:
         raw = await read_raw(request, max_body_bytes)
         sent_at = time.monotonic()
-        results = await each("POST", "/v1/pins", forward_headers(request), raw)
+        results = await each("POST", "/v1/pins", forward_headers(request), raw, request=request)
         made = {n: r.json() for n, r in results if r is not None and r.status_code == 200}  # kvpool's pin objects
         # A 4xx is the replica's answer to the pin (its budget, the prompt, the key): all or nothing, as on one
         # server. A 5xx is a fault of that replica (its engine failed the step, or stopped): like a replica
@@ -228,7 +247,7 @@ def add_admin_routes(app: FastAPI, router: Router, client: httpx.AsyncClient, ma
 
     @app.post("/reset_prefix_cache")
     async def reset(request: Request) -> Response:
-        results = await each("POST", "/reset_prefix_cache", forward_headers(request))
+        results = await each("POST", "/reset_prefix_cache", forward_headers(request), request=request)
         if not results:
             raise APIError(503, "no replica is healthy")
         for _, r in results:

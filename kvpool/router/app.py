@@ -47,7 +47,7 @@ from pydantic import ValidationError
 
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest
-from kvpool.router.admin import add_admin_routes, forward_headers
+from kvpool.router.admin import WATCH_POLL_S, add_admin_routes, forward_headers, while_up
 from kvpool.router.index import PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.resume import Diverged, StreamText, resumable
@@ -611,15 +611,27 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
         return JSONResponse(router.snapshot())
 
     async def forward_get(path: str, request: Request) -> Response:
-        for name, rep in router.replicas.items():
+        """The first healthy replica's answer; the next one's when a replica fails to answer (it drops the
+        connection, is marked down while the request waits, or answers with a fault of its own)."""
+        fault: httpx.Response | None = None
+        for name, rep in list(router.replicas.items()):
             if not rep.healthy:
                 continue
             try:
-                r = await client.get(f"{name}{path}", headers=forward_headers(request))
+                answered, r = await while_up(client.get(f"{name}{path}", headers=forward_headers(request)),
+                                             router, name, request)
             except httpx.HTTPError:
                 router.mark_down(name)
                 continue
+            if not answered:  # marked down while it waited (or the client left: then nobody reads this)
+                continue
+            assert r is not None
+            if r.status_code >= 500:
+                fault = fault or r
+                continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        if fault is not None:
+            return Response(fault.content, status_code=fault.status_code, media_type=fault.headers.get("content-type"))
         router.metrics.failed.inc()
         return _error(503, "no replica is healthy")
 
@@ -743,7 +755,6 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
 # replica's own failures (500, and a gateway's 502/504 in front of it).
 _RETRIED = frozenset((500, 502, 503, 504))
 _HEAD_LIMIT = 64 << 10  # bytes of a stream held back at most before it is committed anyway
-_WATCH_POLL_S = 0.1
 _STALLED_S = 1.0  # a stream whose replica was marked down, silent this long, has failed
 
 
@@ -754,7 +765,7 @@ async def _watch(work: Awaitable[T], request: Request, router: Router, name: str
     request to a replica closes the connection and makes the replica abort it. `work`'s own exception
     propagates."""
     rep = router.replicas[name]
-    ok, out = await until_disconnected(work, request, _WATCH_POLL_S, stop=lambda: rep.downs != epoch)
+    ok, out = await until_disconnected(work, request, WATCH_POLL_S, stop=lambda: rep.downs != epoch)
     if ok:
         return "ok", out
     return ("down" if rep.downs != epoch else "gone"), None
@@ -839,7 +850,7 @@ class _Upstream:
         task = asyncio.ensure_future(self.chunks.__anext__())
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=_WATCH_POLL_S)
+                done, _ = await asyncio.wait({task}, timeout=WATCH_POLL_S)
                 if done:
                     self.last_bytes_at = time.monotonic()
                     try:

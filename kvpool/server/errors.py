@@ -85,19 +85,19 @@ def check_api_key(request: Request, api_key: str | None) -> None:
         raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
 
 
-async def until_disconnected(work: Awaitable[T], request: Request, poll_s: float = 0.25,
+async def until_disconnected(work: Awaitable[T], request: Request | None, poll_s: float = 0.25,
                              stop: Callable[[], bool] | None = None) -> tuple[bool, T | None]:
     """(True, what `work` gives), or (False, None) as soon as the client has disconnected (or `stop()` says
     so: the router stops waiting on a replica marked down); `work` is then cancelled (for a request to a
     replica, cancelling or closing it mid-answer makes the replica abort it and free its blocks). `work`'s
-    own exception propagates."""
+    own exception propagates. `request` None: work with no client waiting on it (only `stop` ends it)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
             if done:
                 return True, task.result()
-            if (stop is not None and stop()) or await request.is_disconnected():
+            if (stop is not None and stop()) or (request is not None and await request.is_disconnected()):
                 return False, None
     finally:
         await cancel_and_wait(task)

@@ -444,3 +444,34 @@ def test_a_restart_between_two_health_checks_is_seen_by_the_stream_id_on_health(
     finally:
         front.stop()
         h.stop()
+
+
+def test_models_pins_and_reset_do_not_wait_on_a_frozen_replica(pair: tuple[RouterHandle, list[ServerHandle]],
+                                                               chat_tokenizer: Any) -> None:
+    """A replica that accepts connections and never answers, listed first: requests sent to it before the
+    health checks mark it down are given up once they do (they waited forever), and answered without it."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(64)  # (the kernel completes the handshakes; nobody reads)
+    dead = f"http://127.0.0.1:{frozen.getsockname()[1]}"
+    good = pair[1][1].url
+    front = start_front([ReplicaSpec(dead), ReplicaSpec(good)], chat_tokenizer, health_interval_s=0.1,
+                        health_timeout_s=0.3)
+    calls = [("GET", "/v1/models", None), ("GET", "/v1/pins", None), ("POST", "/reset_prefix_cache", None),
+             ("POST", "/v1/pins", {"prompt": SYSTEM, "ttl": 30})]
+    try:
+        with ThreadPoolExecutor(len(calls)) as pool:
+            futures = [pool.submit(httpx.request, m, f"{front.url}{p}", json=b, timeout=20) for m, p, b in calls]
+            models, pins, reset, pin = (f.result() for f in futures)
+        assert not front.router.replicas[dead].healthy
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        assert pins.status_code == 200 and pins.json()["object"] == "list"  # (with the new pin or not: concurrent)
+        assert reset.status_code == 409 and f"{dead}': 'unreachable" in reset.json()["error"]["message"]
+        assert pin.status_code == 200 and list(pin.json()["replicas"]) == [good]
+        httpx.delete(f"{front.url}/v1/pins/{pin.json()['id']}", timeout=10)
+    finally:
+        front.stop()
+        frozen.close()

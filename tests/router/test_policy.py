@@ -142,7 +142,7 @@ def test_a_chat_with_images_is_also_keyed_by_them(chat_tokenizer: Any) -> None:
     assert r.pending.match(one.hashes, first[0]) == 0  # the text-only hashes are not remembered for it
     # A replica back from down may have restarted, its caches empty: what was sent there is forgotten.
     r.mark_down(first[0])
-    answers = SimpleNamespace(get=lambda url: SimpleNamespace(status_code=200, text=""))
+    answers = SimpleNamespace(get=lambda url: SimpleNamespace(status_code=200, text="", headers={}))
     r._check(answers, r.replicas[first[0]])  # type: ignore[arg-type]
     assert r.replicas[first[0]].healthy and r.routed.match(one.sticky, first[0]) == 0
 
