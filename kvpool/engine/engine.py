@@ -292,7 +292,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Totals since start and the current load (the async engine turns them into per-step deltas)."""
         kv, sched = self.kv, self.scheduler
-        return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting), kv_usage=kv.usage,
+        # (requests held for their store reads wait too: the load a router reads must count them)
+        held = self.store.num_held() if self.store is not None else 0
+        return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting) + held, kv_usage=kv.usage,
                            host_usage=kv.host_pool.usage if kv.host_pool is not None else None,
                            num_generation_tokens=sched.stats.num_generation_tokens,
                            num_preemptions=sched.stats.num_preemptions,
@@ -429,9 +431,9 @@ class LLMEngine:
         rid = request_id
         if rid is None:
             rid = str(next(self._ids))
-            while rid in self.scheduler.requests:  # (an id a caller chose, in use)
+            while self._in_use(rid):  # (an id a caller chose, in use)
                 rid = str(next(self._ids))
-        if rid in self.scheduler.requests:  # checked before hashing the prompt
+        if self._in_use(rid):  # checked before hashing the prompt
             raise ValueError(f"request_id: {rid!r} is already in use")
         if not isinstance(mm_inputs, list | tuple):
             raise ValueError(f"mm_inputs: a list of the prompt's inputs (LLM.generate: one list per prompt), got "
@@ -446,6 +448,10 @@ class LLMEngine:
         req.mm_inputs = prepared
         req.lora_name = lora_name
         return req
+
+    def _in_use(self, request_id: str) -> bool:
+        """Whether a request with this id is queued, running, or held for its store reads."""
+        return request_id in self.scheduler.requests or (self.store is not None and self.store.is_held(request_id))
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, lora_id: int | str | None = None,

@@ -85,5 +85,14 @@ class FileStore(KVStore):
             raise StoreError(f"the store directory {self.root} is gone or not searchable")
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [self._path(k).is_file() for k in keys]
+        out: list[bool] = []
+        for key in keys:
+            try:
+                out.append(self._path(key).is_file())
+            except OSError as e:  # (is_file raises for a fan-out directory this process may not search)
+                if e.errno in _REFUSED:
+                    out.append(False)  # a miss for that key only, as in get_many
+                    continue
+                raise StoreError(f"I/O error: {e}") from e
+        return out
 

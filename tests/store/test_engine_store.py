@@ -173,9 +173,14 @@ def test_frozen_store_costs_a_deadline_not_a_failure(tiny_llama_dir: Path, redis
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
         eng = llm.engine
-        req = eng.add_request(prompts(seed=5)[0], SamplingParams.greedy(2))
+        req = eng.add_request(prompts(seed=5)[0], SamplingParams.greedy(2), request_id="0")  # the caller's id
         assert eng.store.is_held(req.request_id)
-        assert eng.abort_request(req.request_id) and not eng.has_unfinished_requests()
+        assert eng.stats().num_waiting == 1  # (the load a router reads counts a request held for its reads)
+        other = eng.add_request(prompts(seed=6)[0], SamplingParams.greedy(2))  # the engine picks an id not in use
+        assert other.request_id == "1" and eng.store.is_held("1")
+        with pytest.raises(ValueError, match="request_id: '0' is already in use"):
+            eng.add_request(prompts(seed=7)[0], SamplingParams.greedy(2), request_id="0")
+        assert eng.abort_request("0") and eng.abort_request("1") and not eng.has_unfinished_requests()
         t0 = time.perf_counter()
         assert [o.token_ids for o in run(llm, prompts())] == expected
         assert time.perf_counter() - t0 < 30
