@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from kvpool.server.options import nonempty, port_number
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", required=True, metavar="URL[,events=EP][,replay=EP][,topic=T]",
                    help="a replica's base URL, with its KV event endpoints (repeat per replica)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", type=nonempty("an address, e.g. 127.0.0.1 or 0.0.0.0"))
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--model", default=None, help="the replicas' model folder, for its tokenizer (default: SmolLM2)")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size")
     p.add_argument("--hash-algo", default="sha256", choices=["sha256", "xxh3_128"], help="the replicas' --hash-algo")
@@ -18,6 +20,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=float, default=1.0,
                    help="beta: how much relative load outweighs cache affinity (0: cache only)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", default=None, type=nonempty("a key; leave the flag out to require none"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /router routes (checked here, then "
                         "forwarded to the replicas with the request)")

@@ -74,9 +74,12 @@ T = TypeVar("T")
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
-    """401 unless the request carries 'Authorization: Bearer <api_key>' (no key configured: anyone)."""
+    """401 unless the request carries 'Authorization: Bearer <api_key>' (no key configured: anyone). An empty
+    key lets no one in (the servers refuse one at start: it would let in an empty token)."""
     if api_key is None:
         return
+    if not api_key.strip():
+        raise APIError(401, "Incorrect API key provided; send it as 'Authorization: Bearer KEY'")
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
     # (Starlette decodes a header's bytes as latin-1: encoding them back gives the bytes the client sent,

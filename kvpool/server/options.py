@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from kvpool.flags import add_flags, option
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port (0: any free one)."""
     port = int(text)
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535, got {port}")
@@ -33,6 +34,19 @@ def at_least(lowest: int) -> Callable[[str], int]:
 _positive = at_least(1)
 
 
+def nonempty(what: str) -> Callable[[str], str]:
+    """An argparse type: a string with something in it. An empty --host listens on every interface (not the
+    default loopback), an empty --api-key lets in anyone sending an empty token: both usually come from an
+    unset variable (`--api-key "$KEY"`)."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"must not be empty ({what})")
+        return text
+
+    parse.__name__ = "str"
+    return parse
+
+
 def _positive_float(text: str) -> float:
     x = float(text)
     if not (math.isfinite(x) and x > 0):  # (NaN compares false to everything: ask for what is wanted)
@@ -44,9 +58,10 @@ def _positive_float(text: str) -> float:
 class ServerConfig:
     """The HTTP server: where it listens, who may call it, how much it takes in, where KV events go."""
 
-    host: str = option("127.0.0.1", "address to listen on")
-    port: int = option(8000, "port to listen on", type=_port)
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 and admin routes")
+    host: str = option("127.0.0.1", "address to listen on", type=nonempty("an address, e.g. 127.0.0.1 or 0.0.0.0"))
+    port: int = option(8000, "port to listen on", type=port_number)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 and admin routes",
+                                 type=nonempty("a key; leave the flag out to require none"))
     served_model_name: str | None = option(None, "the model id clients send (default: folder name)")
     max_pending: int = option(256, "requests in flight (running + waiting) before new ones get HTTP 503",
                               type=_positive)

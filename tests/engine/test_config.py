@@ -191,3 +191,30 @@ def test_an_eviction_policy_is_a_name_or_a_policy() -> None:
     with pytest.raises(ValueError, match=r"^eviction_policy: a policy name \(one of \[.*'lru'.*\]\) or an "
                                          r"EvictionPolicy, got 3"):
         make_policy(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # An empty key let in any client sending an empty token; an empty host listened on every interface.
+    (["serve", "--api-key", ""], "argument --api-key: must not be empty (a key; leave the flag out to require none)"),
+    (["serve", "--host", " "], "argument --host: must not be empty (an address, e.g. 127.0.0.1 or 0.0.0.0)"),
+    (["router", "--replica", "http://127.0.0.1:9", "--api-key", ""], "argument --api-key: must not be empty"),
+    (["router", "--replica", "http://127.0.0.1:9", "--host", ""], "argument --host: must not be empty"),
+    (["router", "--replica", "http://127.0.0.1:9", "--port", "70000"], "argument --port: must be in 0..65535"),
+])
+def test_empty_keys_and_hosts_are_refused_by_the_cli(argv: list[str], message: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_empty_api_key_lets_no_one_in() -> None:
+    from starlette.requests import Request
+
+    from kvpool.server.errors import APIError, check_api_key
+
+    empty = Request({"type": "http", "headers": [(b"authorization", b"Bearer ")]})
+    with pytest.raises(APIError):
+        check_api_key(empty, "")
