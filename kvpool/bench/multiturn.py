@@ -119,6 +119,8 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
     if name.startswith("device+host"):
         kw["num_host_blocks"] = a.host_blocks
         kw["write_through"] = name.endswith("write-through")
+    else:  # (a system without a host tier: --host-eviction is the device+host systems')
+        kw["host_eviction"] = "lru"
     llm = LLM(**kw)
     eng = llm.engine
     # The working set counts one block per 16 tokens, but on the hybrid allocator every group takes its own
@@ -194,6 +196,16 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
 
 def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     plot_path(a.plot)
+    # The systems set caching and the host tier themselves: these flags would be overridden, or would give the
+    # device-only systems (the baselines) a host tier.
+    from kvpool.engine.config import parse_size
+
+    if engine_kw.get("enable_prefix_caching") is False:
+        raise ValueError("--no-prefix-caching: not a bench multiturn flag; run --systems no-cache")
+    if parse_size(engine_kw.get("swap_space") or 0, "swap_space", zero_ok=True):
+        raise ValueError("--swap-space: not a bench multiturn flag; the device+host systems take --host-blocks")
+    if engine_kw.get("write_through"):
+        raise ValueError("--write-through: not a bench multiturn flag; run --systems device+host-write-through")
     # Every name is checked before the first system runs (each takes minutes).
     names = name_list("systems", a.systems, SYSTEMS, key=lambda n: n.partition(":")[0].partition("@")[0])
     systems: dict[str, dict] = {}

@@ -73,7 +73,8 @@ class KVPoolSession:
             raise ValueError("--no-prefix-caching: not a bench prefix flag; run --systems kvpool-no-cache")
         kw = {**engine_kw, "enable_prefix_caching": caching}
         if not caching:  # (the tiers below the device keep cached blocks: none without caching)
-            kw = {k: v for k, v in kw.items() if k not in ("swap_space", "num_host_blocks", "kv_store")}
+            kw = {k: v for k, v in kw.items()
+                  if k not in ("swap_space", "num_host_blocks", "kv_store", "write_through", "host_eviction")}
         self.llm = llm = LLM(**kw)
         for lora in {x.lora_name: x for x in loras or () if x is not None}.values():
             llm.engine.add_lora(lora)

@@ -20,15 +20,21 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
-def parse_size(value: str | int | float, field: str = "kv_cache_memory") -> int:
-    """Bytes from '2GiB', '512MiB', '1e9', 1073741824; a bare number below 1024 means GiB."""
+def parse_size(value: str | int | float, field: str = "kv_cache_memory", zero_ok: bool = False) -> int:
+    """Bytes from '2GiB', '512MiB', '1e9', 1073741824; a bare number below 1024 means GiB. A zero size is
+    refused (for the KV cache it is a mistake) unless `zero_ok` (a tier that zero turns off)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        num, unit = float(value), ""
+        try:
+            num, unit = float(value), ""
+        except OverflowError:  # (an int past float's range)
+            raise ValueError(f"{field}: must be a finite size > 0, got {value!r}") from None
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{field}: cannot read {value!r} as a size (examples: 2GiB, 512MiB, 1073741824)")
         num, unit = float(m.group(1)), m.group(2).lower()
+    if zero_ok and num == 0:
+        return 0
     if not math.isfinite(num) or num <= 0:
         raise ValueError(f"{field}: must be a finite size > 0, got {value!r}")
     if unit == "" and num < 1024:
@@ -225,8 +231,21 @@ class EngineConfig:
         if isinstance(d, bool) or not isinstance(d, int | float) or not (math.isfinite(d) and d > 0):
             raise ValueError(f"kv_store_deadline: must be > 0 seconds, got {d!r}")
         self.kv_cache_bytes()
-        self.swap_space_bytes()
+        host = self.num_host_blocks > 0 if self.num_host_blocks is not None else self.swap_space_bytes() > 0
+        if self.host_eviction not in _host_policies():
+            raise ValueError(f"host_eviction: unknown policy {self.host_eviction!r}; one of "
+                             f"{', '.join(_host_policies())}")
+        # Host tier options without a host tier would be ignored, silently: the user meant to have one.
+        if not host and self.write_through:
+            raise ValueError("write_through: copies blocks to the host tier, and there is none (set swap_space)")
+        if not host and self.host_eviction != "lru":
+            raise ValueError(f"host_eviction: {self.host_eviction!r} orders the host tier, and there is none (set "
+                             f"swap_space)")
         parse_size(self.encoder_cache_size, "encoder_cache_size")
+        count("state_retention_budget", 0)
+        layers = self.stage_output_layers
+        if not isinstance(layers, tuple | list) or any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
+            raise ValueError(f"stage_output_layers: a sequence of layer indices, got {layers!r}")
         b = self.pin_budget
         if isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b <= 1:
             raise ValueError(f"pin_budget: a fraction of the pool in [0, 1], got {b!r}")
@@ -245,9 +264,10 @@ class EngineConfig:
                              "have none. Use kv_store or stage_outputs, not both")
 
     def swap_space_bytes(self) -> int:
-        if self.swap_space in (0, "0", 0.0, None):
+        if self.swap_space is None:
             return 0
-        return parse_size(self.swap_space, "swap_space")
+        # Any zero disables the tier ("0", 0.0, "0GiB"), as the flag's help says.
+        return parse_size(self.swap_space, "swap_space", zero_ok=True)
 
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)

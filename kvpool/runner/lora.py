@@ -299,6 +299,19 @@ class LoRAManager:
         self.arch = model.arch  # type: ignore[attr-defined]
         self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype, self.device = dtype, device
+        # Every slot's A and B^T buffers are allocated now, sized for the largest rank: say so when they
+        # cannot be, before any is (past the machine's memory the kernel would kill the process instead).
+        elem = torch.empty((), dtype=dtype).element_size()
+        shapes = projection_shapes(self.arch)
+        need = max_loras * max_rank * elem * len(model.layers) * sum(  # type: ignore[attr-defined,arg-type]
+            len(sh.out_slices) * (sh.in_features + sh.out_slices[-1][1]) for sh in shapes.values())
+        from kvpool.runner.model_runner import physical_memory
+
+        ram = physical_memory() if torch.device(device).type == "cpu" else None
+        if ram is not None and need > ram // 2:
+            raise ValueError(f"max_loras, max_lora_rank: {max_loras} adapter slots of rank {max_rank} "
+                             f"need {need / 2**30:.1f} GiB of buffers, more than half this machine's memory "
+                             f"({ram / 2**30:.1f} GiB)")
         self.adapters: dict[str, LoRAAdapter] = {}
         self._lock = threading.Lock()  # registration may come from another thread than the steps
         self.slots: list[str | None] = [None] * max_loras
@@ -306,15 +319,17 @@ class LoRAManager:
         self._clock = 0
         self.plan: LoRAPlan | None = None
         self.num_slot_loads = 0
-        shapes = projection_shapes(self.arch)
         self.wrappers: list[dict[str, LoRALinear]] = []
-        for layer in model.layers:  # type: ignore[attr-defined]
-            mine = {}
-            for name in PROJECTIONS:
-                w = LoRALinear(getattr(layer, name), shapes[name], self)
+        try:
+            for layer in model.layers:  # type: ignore[attr-defined]
+                mine = {name: LoRALinear(getattr(layer, name), shapes[name], self) for name in PROJECTIONS}
+                self.wrappers.append(mine)
+        except (RuntimeError, MemoryError) as e:  # (torch's out-of-memory errors are RuntimeErrors)
+            raise ValueError(f"max_loras, max_lora_rank: {max_loras} adapter slots of rank {max_rank} could not be "
+                             f"allocated ({str(e).splitlines()[0]})") from None
+        for layer, mine in zip(model.layers, self.wrappers, strict=True):  # type: ignore[attr-defined]
+            for name, w in mine.items():  # (only once every buffer is there: a failure leaves the model whole)
                 setattr(layer, name, w)
-                mine[name] = w
-            self.wrappers.append(mine)
 
     # -- registry (any thread) -------------------------------------------------------------------------
 

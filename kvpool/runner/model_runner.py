@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -127,6 +128,14 @@ def _device(name: str) -> torch.device:
     return dev
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
@@ -239,6 +248,10 @@ class ModelRunner:
         # (kv_heads, blocks, block_size, head_dim): one head's keys of a block table gather contiguously.
         shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
         self.paged: PagedBuffers | None = None
+        ram = physical_memory() if self.device.type == "cpu" else None
+        if ram is not None and num_blocks * self.bytes_per_block > ram:
+            raise ValueError(f"kv_cache_memory: {num_blocks} blocks ({num_blocks * self.bytes_per_block / 2**30:.1f} "
+                             f"GiB) are more than this machine's memory ({ram / 2**30:.1f} GiB)")
         try:
             if state_shapes is not None:
                 self.paged = PagedBuffers(self.layout.specs, self.layout.group_of_layer,
@@ -409,24 +422,36 @@ class ModelRunner:
         if n < 1:
             return 0
         pin = self.device.type == "cuda"
-        if self.paged is not None:
-            # Two-level pool: one host pool per page size, the memory split evenly in bytes between them
-            # (the manager splits its host blocks the same way); per page type, one (pages, page) tensor
-            # for each of the device's byte buffers.
-            sizes = sorted(set(self.paged.page_sizes))
-            counts = split_host_pages(n, [self.bytes_per_block // p for p in sizes])
-            if min(counts) < 1:
-                return 0
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            slots = len(self.paged.buffers)
-            self._page_elems = [p // slots // elem for p in sizes]
-            self.host_pages = [[torch.zeros((c, pe), dtype=self.dtype, pin_memory=pin) for _ in range(slots)]
-                               for c, pe in zip(counts, self._page_elems, strict=True)]
-        else:
-            shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
-            self.host_kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin),
-                                    torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin))
-                                   for _ in self.kv_tensors]
+        total = n * self.bytes_per_block
+        ram = physical_memory()
+        if ram is not None and total > ram:
+            # (zeroed tensors touch every page: past the machine's memory the kernel kills the process, with
+            # no error to show)
+            raise ValueError(f"swap_space: {n} host blocks ({total / 2**30:.1f} GiB) are more than this machine's "
+                             f"memory ({ram / 2**30:.1f} GiB)")
+        try:
+            if self.paged is not None:
+                # Two-level pool: one host pool per page size, the memory split evenly in bytes between them
+                # (the manager splits its host blocks the same way); per page type, one (pages, page) tensor
+                # for each of the device's byte buffers.
+                sizes = sorted(set(self.paged.page_sizes))
+                counts = split_host_pages(n, [self.bytes_per_block // p for p in sizes])
+                if min(counts) < 1:
+                    return 0
+                elem = torch.empty((), dtype=self.dtype).element_size()
+                slots = len(self.paged.buffers)
+                self._page_elems = [p // slots // elem for p in sizes]
+                self.host_pages = [[torch.zeros((c, pe), dtype=self.dtype, pin_memory=pin) for _ in range(slots)]
+                                   for c, pe in zip(counts, self._page_elems, strict=True)]
+            else:
+                shape = (self.arch.num_kv_heads, n, self.block_size, self.arch.head_dim)
+                self.host_kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin),
+                                        torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin))
+                                       for _ in self.kv_tensors]
+        except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors are RuntimeErrors
+            self.host_kv_caches, self.host_pages = [], []
+            raise ValueError(f"swap_space: {n} host blocks of {self.bytes_per_block} bytes could not be allocated "
+                             f"({str(e).splitlines()[0]})") from None
         log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
         if self.stage_cache is not None:
             self.stage_cache.set_num_host_blocks(n)

@@ -164,10 +164,27 @@ def test_every_switch_and_the_hash_seed_are_checked(kw: dict, message: str) -> N
     (dict(device=""), r"^device: must be a string such as 'cpu' or 'cuda', or None, got ''"),
     # Checked once the model had loaded, before.
     (dict(encoder_cache_size="lots"), r"^encoder_cache_size: cannot read 'lots' as a size"),
+    (dict(state_retention_budget="x"), r"^state_retention_budget: must be an int >= 0, got 'x'"),
+    (dict(stage_output_layers=5), r"^stage_output_layers: a sequence of layer indices, got 5"),
+    (dict(kv_cache_memory=10**400), r"^kv_cache_memory: must be a finite size > 0"),
+    # Host tier options without a host tier were ignored, silently; a host policy's name was checked only
+    # when there was a host tier.
+    (dict(write_through=True), r"^write_through: copies blocks to the host tier, and there is none"),
+    (dict(write_through=True, swap_space="0GiB"), r"^write_through: copies blocks to the host tier"),
+    (dict(host_eviction="arc"), r"^host_eviction: 'arc' orders the host tier, and there is none"),
+    (dict(host_eviction="bogus", swap_space="1GiB"), r"^host_eviction: unknown policy 'bogus'; one of "),
 ])
 def test_lora_counts_the_model_the_deadline_and_the_device_are_checked(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kw).validate()
+
+
+def test_any_zero_swap_space_turns_the_host_tier_off() -> None:
+    for zero in (0, 0.0, "0", "0GiB", " 0 MiB", None):
+        assert EngineConfig(swap_space=zero).swap_space_bytes() == 0
+    assert EngineConfig(swap_space="1GiB", write_through=True, host_eviction="arc").swap_space_bytes() == 1 << 30
+    EngineConfig(swap_space="1GiB", write_through=True, host_eviction="arc").validate()
+    EngineConfig(num_host_blocks=4, write_through=True).validate()
 
 
 def test_good_lora_counts_model_deadline_and_device_pass(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -243,6 +243,21 @@ def test_a_host_tier_needs_caching_and_room_for_a_block(tiny_llama_dir: Path) ->
     assert LLM(str(tiny_llama_dir), swap_space="1MiB", **kw).engine.has_host_tier  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    # Tensors past the machine's memory: a traceback from torch's allocator, or (zeroed, so every page is
+    # touched) the kernel killing the process.
+    (dict(swap_space="1000000TiB"), r"^swap_space: \d+ host blocks \([\d.]+ GiB\) are more than this machine's memory"),
+    (dict(num_blocks=10**13), r"^kv_cache_memory: \d+ blocks \([\d.]+ GiB\) are more than this machine's memory"),
+    (dict(enable_lora=True, max_lora_rank=10**8), r"^max_loras, max_lora_rank: 1 adapter slots of rank 100000000 "
+                                                  r"need [\d.]+ GiB of buffers, more than half this machine's memory"),
+    (dict(enable_lora=True, max_loras=10**9), r"^max_loras, max_lora_rank: 1000000000 adapter slots"),
+])
+def test_memory_no_machine_has_is_a_value_error(tiny_llama_dir: Path, kw: dict, message: str) -> None:
+    args = {"dtype": "float32", "skip_tokenizer_init": True, "num_blocks": 16, "block_size": 4, **kw}
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama_dir), **args)  # type: ignore[arg-type]
+
+
 def test_stop_strings_need_the_tokenizer_and_n_is_the_int_one(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"^stop: stop strings need the tokenizer .*use stop_token_ids"):
         llm.generate([[1, 2, 3]], SamplingParams.greedy(4, stop=["ab"]), use_tqdm=False)
