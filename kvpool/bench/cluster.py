@@ -45,7 +45,7 @@ import httpx
 from kvpool.bench.multiturn import arrival_order, conversations, span_flag, take_idle
 from kvpool.bench.plots import plot_path, ttft_per_turn
 from kvpool.bench.report import emit, format_table, name_list
-from kvpool.server.options import _positive
+from kvpool.server.options import _positive, at_least
 
 SYSTEMS = ("round-robin", "round-robin+store", "router", "router+store", "ceiling")
 
@@ -56,14 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=_positive, default=8)
     p.add_argument("--turns", type=_positive, default=4)
     p.add_argument("--concurrency", type=_positive, default=4, help="requests in flight")
-    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--system-len", type=at_least(0), default=256)
     p.add_argument("--user-len", type=span_flag, default="32:64", help="min:max tokens of a user message")
     p.add_argument("--answer-len", type=span_flag, default="8:16", help="min:max tokens of an answer")
-    p.add_argument("--device-blocks", type=int, default=None,
+    p.add_argument("--device-blocks", type=at_least(2), default=None,
                    help="device pool of each of the two replicas (default: 60%% of the working set, so that one "
                         "replica holds half the conversations but not all of them)")
-    p.add_argument("--host-blocks", type=int, default=0, help="host tier of each of the two replicas")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    p.add_argument("--host-blocks", type=at_least(0), default=0, help="host tier of each of the two replicas")
+    p.add_argument("--threads", type=_positive, default=1, help="torch threads per replica")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="round-robin,router,ceiling")
     p.add_argument("--kv-store", default=None,

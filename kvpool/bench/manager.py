@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> dict:
-    if a.repeats < 1 or a.concurrency < 1:
-        raise SystemExit("--repeats and --concurrency must be >= 1")
+    for name in ("repeats", "concurrency", "block_size"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(a, name)}")
     if a.requests < 1:
         raise ValueError(f"requests: must be >= 1, got {a.requests}")
     if a.num_blocks < 2:

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvpool.bench.plots import plot_path, ttft_per_turn
 from kvpool.bench.report import emit, format_table, name_list, percentile
-from kvpool.server.options import _positive
+from kvpool.server.options import _positive, at_least
 
 SYSTEMS = ("no-cache", "device", "device+host", "device+host-write-through", "unlimited")
 
@@ -36,11 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=_positive, default=16)
     p.add_argument("--turns", type=_positive, default=4)
     p.add_argument("--concurrency", type=_positive, default=4, help="requests in flight")
-    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--system-len", type=at_least(0), default=256)
     p.add_argument("--user-len", type=span_flag, default="32:96", help="min:max tokens of a user message")
     p.add_argument("--answer-len", type=span_flag, default="16:32", help="min:max tokens of an answer")
-    p.add_argument("--device-blocks", type=int, default=192, help="device pool of the limited systems")
-    p.add_argument("--host-blocks", type=int, default=1024)
+    p.add_argument("--device-blocks", type=at_least(2), default=192, help="device pool of the limited systems")
+    p.add_argument("--host-blocks", type=_positive, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="comma-separated, each NAME or NAME:KV_DTYPE, NAME one of " + ", ".join(SYSTEMS))

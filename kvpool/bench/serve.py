@@ -30,6 +30,7 @@ import numpy as np
 
 from kvpool.bench.report import emit, format_table
 from kvpool.bench.workloads import generated_shared_prefix, load_trace
+from kvpool.server.options import port_number
 
 MAX_NUM_PROMPTS = 10_000
 DATASETS = ("random", "prefix-repetition", "shared-prefix", "trace", "images")
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--base-url", default=None, help="server root (default http://HOST:PORT); loopback only")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=port_number, default=8000)
     g.add_argument("--endpoint", default="/v1/completions")
     g.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
     g = p.add_argument_group("load")
@@ -128,6 +129,10 @@ def check_loopback(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"base_url: {url!r} is not an http(s) URL")
+    try:
+        parts.port  # noqa: B018 (it raises for a port that is not a number in 0..65535)
+    except ValueError as e:
+        raise ValueError(f"base_url: {url!r} has no valid port ({e})") from None
     host = parts.hostname or ""
     if host == "localhost":
         return
@@ -236,11 +241,13 @@ def random_png_url(rng: np.random.Generator, width: int, height: int) -> str:
 def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> np.ndarray:
     """Send times in seconds from the start: gamma-distributed gaps of mean 1/rate (Poisson at burstiness 1)."""
     _need(rate > 0, "request_rate", f"must be > 0 or inf, got {rate}")
-    _need(burstiness > 0, "burstiness", f"must be > 0, got {burstiness}")
+    _need(math.isfinite(burstiness) and burstiness > 0, "burstiness", f"must be a finite number > 0, got {burstiness}")
     if math.isinf(rate):
         return np.zeros(n)
     # Its own stream, so the arrival times do not move when the dataset's draws change.
     gaps = np.random.default_rng([seed, 1]).gamma(burstiness, 1.0 / (rate * burstiness), size=n)
+    # (a shape so small the gaps overflow or vanish into NaN would send everything at once, silently)
+    _need(bool(np.isfinite(gaps).all()), "burstiness", f"{burstiness} gives gaps no clock can wait (not finite)")
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])])
 
 

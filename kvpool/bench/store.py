@@ -42,13 +42,16 @@ def bench_backend(url: str, a: argparse.Namespace) -> dict[str, Any]:
 
     fp = Fingerprint(model="bench", dtype="float32", block_size=16)
     bs = BlockStore(open_store(url), fp)
+    if not bs.probe():  # (a store that cannot be reached is the flag's fault: one line, not a traceback)
+        bs.close()
+        raise ValueError(f"store: cannot reach {url}")
     payload = os.urandom(a.block_bytes)
     hashes = [i.to_bytes(8, "little") + os.urandom(24) for i in range(a.blocks)]
     batches = [hashes[i:i + a.batch] for i in range(0, len(hashes), a.batch)]
     t0 = time.perf_counter()
     for b in batches:
         if not bs.put([(h, payload) for h in b]):
-            raise RuntimeError(f"{url}: writes failed ({bs.stats.errors} errors)")
+            raise OSError(f"{url}: writes failed ({bs.stats.errors} errors)")
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     hits = 0
@@ -71,6 +74,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from kvpool.store.server import RedisServer, find_server_binary
 
     names = name_list("backends", a.backends, BACKENDS)
+    if a.redis_url is not None and "redis" not in names:
+        raise ValueError("redis_url: only the redis backend reads it; add redis to --backends")
     out: dict[str, Any] = {"backends": {}}
     server = None
     try:

@@ -36,6 +36,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 import httpx
@@ -81,14 +82,29 @@ class ReplicaSpec:
         parts = [p.strip() for p in text.split(",") if p.strip()]
         if not parts or not parts[0].startswith(("http://", "https://")):
             raise ValueError(f"replica: {text!r} must start with an http:// or https:// URL")
+        try:
+            url = urlsplit(parts[0])
+            url.port  # noqa: B018 (raises for a port out of range or not a number)
+        except ValueError as e:
+            raise ValueError(f"replica: {parts[0]!r} is not a valid URL ({e})") from None
+        if not url.hostname:
+            raise ValueError(f"replica: {parts[0]!r} names no host")
         spec = cls(parts[0].rstrip("/"))
+        seen: set[str] = set()
         for p in parts[1:]:
             key, eq, value = p.partition("=")
             if not eq or key not in ("events", "replay", "topic"):
                 raise ValueError(f"replica: unknown option {p!r} in {text!r} (events=, replay=, topic=)")
+            if key in seen:
+                raise ValueError(f"replica: {key}= given twice in {text!r}")
+            seen.add(key)
             if key in ("events", "replay") and "://" not in value:
                 raise ValueError(f"replica: {key}={value!r} is not a ZeroMQ endpoint such as tcp://host:port")
             setattr(spec, key, value)
+        if spec.events is None and seen & {"replay", "topic"}:
+            # (they belong to the event stream: without one they would be ignored, silently)
+            raise ValueError(f"replica: {', '.join(sorted(seen))}= without events= in {text!r}: the replay socket and "
+                             f"the topic are those of the replica's KV event stream")
         return spec
 
 

@@ -23,6 +23,21 @@ from kvpool.cli import build_parser, main
     (["bench", "prefix", "--no-prefix-caching", "--groups", "1", "--questions", "1", "--system-len", "16",
       "--question-len", "4", "--output-len", "1", "--no-warmup"],
      "--no-prefix-caching: not a bench prefix flag; run --systems kvpool-no-cache"),
+    (["bench", "multiturn", "--no-prefix-caching"], "--no-prefix-caching: not a bench multiturn flag; run --systems "
+                                                    "no-cache"),
+    (["bench", "multiturn", "--swap-space", "64MiB"], "--swap-space: not a bench multiturn flag; the device+host "
+                                                      "systems take --host-blocks"),
+    (["bench", "multiturn", "--write-through"], "--write-through: not a bench multiturn flag"),
+    (["bench", "manager", "--block-size", "0", "--repeats", "1"], "block_size: must be >= 1, got 0"),
+    (["bench", "manager", "--repeats", "0"], "repeats: must be >= 1, got 0"),
+    (["bench", "store", "--backends", "file", "--redis-url", "redis://127.0.0.1:9"],
+     "redis_url: only the redis backend reads it"),
+    (["bench", "store", "--backends", "redis", "--redis-url", "redis://127.0.0.1:9", "--blocks", "2"],
+     "store: cannot reach redis://127.0.0.1:9"),
+    (["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:99999", "--num-prompts", "1"],
+     "base_url: 'http://127.0.0.1:99999' has no valid port"),
+    (["bench", "serve", "--model", "m", "--burstiness", "inf", "--num-prompts", "1"],
+     "burstiness: must be a finite number > 0, got inf"),
 ])
 def test_an_empty_or_unknown_list_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
                                              ) -> None:
@@ -55,6 +70,14 @@ def test_multiturn_checks_every_system_before_running_one(monkeypatch: pytest.Mo
     (["bench", "store", "--recompute-ms-per-block", "-5"], "--recompute-ms-per-block"),
     (["bench", "store", "--recompute-ms-per-block", "nan"], "--recompute-ms-per-block"),
     (["bench", "store", "--blocks", "0"], "--blocks"),
+    (["bench", "cluster", "--device-blocks", "0"], "--device-blocks"),
+    (["bench", "cluster", "--host-blocks", "-1"], "--host-blocks"),
+    (["bench", "cluster", "--threads", "0"], "--threads"),
+    (["bench", "cluster", "--system-len", "-5"], "--system-len"),
+    (["bench", "multiturn", "--device-blocks", "1"], "--device-blocks"),
+    (["bench", "multiturn", "--host-blocks", "0"], "--host-blocks"),
+    (["bench", "multiturn", "--system-len", "-5"], "--system-len"),
+    (["bench", "serve", "--port", "70000"], "--port"),
 ])
 def test_a_bad_count_is_refused_as_it_is_parsed(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
                                                 ) -> None:

@@ -217,6 +217,7 @@ def test_an_eviction_policy_is_a_name_or_a_policy() -> None:
     (["router", "--replica", "http://127.0.0.1:9", "--api-key", ""], "argument --api-key: must not be empty"),
     (["router", "--replica", "http://127.0.0.1:9", "--host", ""], "argument --host: must not be empty"),
     (["router", "--replica", "http://127.0.0.1:9", "--port", "70000"], "argument --port: must be in 0..65535"),
+    (["router", "--replica", "http://127.0.0.1:9", "--port", "-1"], "argument --port: must be in 0..65535"),
 ])
 def test_empty_keys_and_hosts_are_refused_by_the_cli(argv: list[str], message: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
