@@ -255,6 +255,9 @@ class EngineConfig:
         for name in _BOOL_OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        from kvpool.core.hashing import resolve_hash_algo
+
+        resolve_hash_algo(self.hash_algo)  # (checked with caching off too: the flag was given for a reason)
         if self.hash_seed is not None and not isinstance(self.hash_seed, str | bytes):
             raise ValueError(f"hash_seed: must be a string, bytes or None, got {self.hash_seed!r}")
         if self.kv_store and self.stage_outputs:

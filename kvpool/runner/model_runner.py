@@ -88,7 +88,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: 
                native_kernels: bool = True) -> tuple[LlamaForCausalLM, dict]:
     """The model of a local Hugging Face folder, its weights loaded (any registered architecture, see
     kvpool.runner.models.registry)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     cfg = json.loads((model_dir / "config.json").read_text())
     entry = resolve_model_class(cfg)
@@ -103,9 +103,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: 
 
     def tensors():
         for f in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, st.get_tensor(name)
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        yield name, st.get_tensor(name)
+            except SafetensorError as e:  # (a truncated or corrupt file: the model folder's fault)
+                raise ValueError(f"model: {f} is not a readable safetensors file ({e})") from None
 
     model.load_weights(tensors())
     model.to(dtype)

@@ -173,6 +173,7 @@ def test_every_switch_and_the_hash_seed_are_checked(kw: dict, message: str) -> N
     (dict(write_through=True, swap_space="0GiB"), r"^write_through: copies blocks to the host tier"),
     (dict(host_eviction="arc"), r"^host_eviction: 'arc' orders the host tier, and there is none"),
     (dict(host_eviction="bogus", swap_space="1GiB"), r"^host_eviction: unknown policy 'bogus'; one of "),
+    (dict(hash_algo="bogus", enable_prefix_caching=False), r"^hash_algo: unknown algorithm 'bogus'"),
 ])
 def test_lora_counts_the_model_the_deadline_and_the_device_are_checked(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -252,6 +252,17 @@ def test_a_host_tier_needs_caching_and_room_for_a_block(tiny_llama_dir: Path) ->
                                                   r"need [\d.]+ GiB of buffers, more than half this machine's memory"),
     (dict(enable_lora=True, max_loras=10**9), r"^max_loras, max_lora_rank: 1000000000 adapter slots"),
 ])
+def test_a_truncated_weights_file_is_the_model_folders_fault(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_llama_dir, bad)
+    weights = next(bad.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:300])
+    with pytest.raises(ValueError, match=r"^model: .*model\.safetensors is not a readable safetensors file"):
+        LLM(str(bad), dtype="float32", skip_tokenizer_init=True, num_blocks=16)
+
+
 def test_memory_no_machine_has_is_a_value_error(tiny_llama_dir: Path, kw: dict, message: str) -> None:
     args = {"dtype": "float32", "skip_tokenizer_init": True, "num_blocks": 16, "block_size": 4, **kw}
     with pytest.raises(ValueError, match=message):
