@@ -243,15 +243,6 @@ def test_a_host_tier_needs_caching_and_room_for_a_block(tiny_llama_dir: Path) ->
     assert LLM(str(tiny_llama_dir), swap_space="1MiB", **kw).engine.has_host_tier  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    # Tensors past the machine's memory: a traceback from torch's allocator, or (zeroed, so every page is
-    # touched) the kernel killing the process.
-    (dict(swap_space="1000000TiB"), r"^swap_space: \d+ host blocks \([\d.]+ GiB\) are more than this machine's memory"),
-    (dict(num_blocks=10**13), r"^kv_cache_memory: \d+ blocks \([\d.]+ GiB\) are more than this machine's memory"),
-    (dict(enable_lora=True, max_lora_rank=10**8), r"^max_loras, max_lora_rank: 1 adapter slots of rank 100000000 "
-                                                  r"need [\d.]+ GiB of buffers, more than half this machine's memory"),
-    (dict(enable_lora=True, max_loras=10**9), r"^max_loras, max_lora_rank: 1000000000 adapter slots"),
-])
 def test_a_truncated_weights_file_is_the_model_folders_fault(tiny_llama_dir: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -263,6 +254,15 @@ def test_a_truncated_weights_file_is_the_model_folders_fault(tiny_llama_dir: Pat
         LLM(str(bad), dtype="float32", skip_tokenizer_init=True, num_blocks=16)
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    # Tensors past the machine's memory: a traceback from torch's allocator, or (zeroed, so every page is
+    # touched) the kernel killing the process.
+    (dict(swap_space="1000000TiB"), r"^swap_space: \d+ host blocks \([\d.]+ GiB\) are more than this machine's memory"),
+    (dict(num_blocks=10**13), r"^kv_cache_memory: \d+ blocks \([\d.]+ GiB\) are more than this machine's memory"),
+    (dict(enable_lora=True, max_lora_rank=10**8), r"^max_loras, max_lora_rank: 1 adapter slots of rank 100000000 "
+                                                  r"need [\d.]+ GiB of buffers, more than half this machine's memory"),
+    (dict(enable_lora=True, max_loras=10**9), r"^max_loras, max_lora_rank: 1000000000 adapter slots"),
+])
 def test_memory_no_machine_has_is_a_value_error(tiny_llama_dir: Path, kw: dict, message: str) -> None:
     args = {"dtype": "float32", "skip_tokenizer_init": True, "num_blocks": 16, "block_size": 4, **kw}
     with pytest.raises(ValueError, match=message):
