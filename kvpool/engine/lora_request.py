@@ -99,9 +99,17 @@ class LoRARegistry:
         with self._adding:  # (loading reads the folder: the maps' lock stays free for known adapters)
             if self._known(req):
                 return req.lora_name
-            self.manager.register(req.lora_name, req.lora_path)
             folder = Path(req.lora_path)
-            digest = files_digest([folder / "adapter_config.json", folder / "adapter_model.safetensors"])
+            files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
+            before = files_digest(files) if all(f.is_file() for f in files) else None
+            self.manager.register(req.lora_name, req.lora_path)
+            digest = files_digest(files)
+            if digest != before:
+                # Rewritten while it was read: the weights loaded may be neither version, and the blocks
+                # would be keyed by a digest of files other than the ones computed with.
+                self.manager.forget(req.lora_name)
+                raise ValueError(f"lora_request: the adapter files in {req.lora_path!r} changed while they were "
+                                 f"read; send the request again")
             with self._lock:
                 self.requests[req.lora_name] = req
                 self.digests[req.lora_name] = digest

@@ -347,6 +347,12 @@ class LoRAManager:
         log.info("LoRA adapter %s loaded from %s (rank %d; %s)", name, path, adapter.rank, ", ".join(adapter.targets))
         return adapter
 
+    def forget(self, name: str) -> None:
+        """Drop a registered adapter no step has used yet (its registration failed a later check)."""
+        with self._lock:
+            if name not in self.slots:
+                self.adapters.pop(name, None)
+
     @staticmethod
     def _same_folder(have: LoRAAdapter, path: str) -> LoRAAdapter:
         if Path(have.path).resolve() != Path(path).resolve():

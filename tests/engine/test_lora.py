@@ -332,3 +332,28 @@ def test_two_requests_registering_clashing_adapters_at_once_one_is_refused(
     assert ("already in use" if clash == "name" else "already adapter") in str(errors[0])
     kept = reqs[got.index(next(g for g in got if not isinstance(g, ValueError)))]
     assert [(r.lora_name, r.lora_path) for r in eng.list_loras()] == [(kept.lora_name, kept.lora_path)]
+
+
+def test_adapter_files_rewritten_while_loading_are_refused(tiny_llama_dir: Path, adapters: dict[str, Path],
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights loaded and the digest that keys the adapter's blocks must be of the same files."""
+    from kvpool.runner import lora
+
+    folder = tmp_path / "moving"
+    shutil.copytree(adapters["attn"], folder)
+    load = lora.load_adapter
+
+    def load_then_rewrite(*a: object, **kw: object) -> object:
+        out = load(*a, **kw)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(adapters["all"] / name, folder / name)
+        return out
+
+    monkeypatch.setattr(lora, "load_adapter", load_then_rewrite)
+    llm = tiny_llm(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"^lora_request: the adapter files in .* changed while they were read"):
+        llm.engine.make_request([1, 2, 3], SamplingParams.greedy(2), lora_request=LoRARequest("m", 1, str(folder)))
+    assert llm.engine.list_loras() == [] and "m" not in llm.engine.runner.lora.adapters
+    monkeypatch.setattr(lora, "load_adapter", load)
+    llm.engine.make_request([1, 2, 3], SamplingParams.greedy(2), lora_request=LoRARequest("m", 1, str(folder)))
+    assert [r.lora_name for r in llm.engine.list_loras()] == ["m"]
