@@ -469,7 +469,14 @@ class ModelRunner:
             raise RuntimeError("swap plan given but this runner has no host KV tier")
         t0 = time.perf_counter()
         dev = self.device
-        if plan.swap_out:
+        typed_out, typed_in = plan.typed_out, plan.typed_in
+        if self.paged is not None and (plan.swap_out or plan.swap_in):
+            # Paged buffers under a one-level pool (every group's page the same size, so one page type whose
+            # page ids are the block ids): the plan's pairs are copies of that type. (The KV tensors of the
+            # path below are empty here: copying through them did nothing, and host hits read stale pages.)
+            typed_out = [*typed_out, *((0, d, h) for d, h in plan.swap_out)]
+            typed_in = [*typed_in, *((0, h, d) for h, d in plan.swap_in)]
+        elif plan.swap_out:
             d_ids = torch.tensor([d for d, _ in plan.swap_out], dtype=torch.long, device=dev)
             h_ids = torch.tensor([h for _, h in plan.swap_out], dtype=torch.long)
             # Every layer's blocks start their way to the host at once; the host may read them only once
@@ -481,14 +488,14 @@ class ModelRunner:
             for (hk, hv), (sk, sv) in zip(self.host_kv_caches, staged, strict=True):
                 indexable(hk).index_copy_(1, h_ids, indexable(sk))
                 indexable(hv).index_copy_(1, h_ids, indexable(sv))
-        self._copy_pages(plan.typed_out, to_host=True)
-        if plan.swap_in:
+        self._copy_pages(typed_out, to_host=True)
+        if plan.swap_in and self.paged is None:
             h_ids = torch.tensor([h for h, _ in plan.swap_in], dtype=torch.long)
             d_ids = torch.tensor([d for _, d in plan.swap_in], dtype=torch.long, device=dev)
             for (dk, dv), (hk, hv) in zip(self.kv_tensors, self.host_kv_caches, strict=True):
                 indexable(dk).index_copy_(1, d_ids, indexable(hk).index_select(1, h_ids).to(dev, non_blocking=True))
                 indexable(dv).index_copy_(1, d_ids, indexable(hv).index_select(1, h_ids).to(dev, non_blocking=True))
-        self._copy_pages(plan.typed_in, to_host=False)
+        self._copy_pages(typed_in, to_host=False)
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the forward must see the copies
         if self.stage_cache is not None:

@@ -87,7 +87,9 @@ class EngineStore:
             block_bytes = block_nbytes(host_caches)
         else:
             # One HostPages per page type of the host tier, in its order.
-            self.pages: list[HostPages] = ([SlotPages(slots) for slots in host_pages] if kv.host.typed
+            # (paged host memory whenever the runner keeps pages, typed plans or not: with every group's
+            # page the same size the pool is one-level, and the runner's host KV tensors are empty)
+            self.pages: list[HostPages] = ([SlotPages(slots) for slots in host_pages] if host_pages
                                            else [KVPages(host_caches, kv_layout)])
             if len(self.pages) != len(kv.host.pools):
                 raise ValueError(f"kv_store: {len(self.pages)} host page types for {len(kv.host.pools)} host pools")
@@ -95,7 +97,7 @@ class EngineStore:
                 raise ValueError("kv_store: a model with several layer groups needs its layer layout "
                                  "(group_of_layer, tensor_of_layer) for the store's fingerprint")
             self.rules = [HitRule.of(s) for s in kv.specs]
-            dtype = host_pages[0][0].dtype if kv.host.typed else host_caches[0][0].dtype
+            dtype = host_pages[0][0].dtype if host_pages else host_caches[0][0].dtype
             fp = hybrid_fingerprint(model_dir, dtype, block_size, kv.specs, group_of_layer, tensor_of_layer,
                                     kv.page_type, self.pages, compute)
             block_bytes = max(p.nbytes for p in self.pages)

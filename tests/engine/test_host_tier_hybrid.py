@@ -85,3 +85,27 @@ def test_bf16_tokens_equal_with_the_host_tier_on_and_off(model: str, request: py
     off, _, _ = run(path, "bfloat16", num_blocks=1000 if model == "gemma3" else 200, enable_prefix_caching=False)
     assert on == off
     assert cached_on[-1] == HIT[model]
+
+
+def test_lfm2_with_pages_of_one_size_copies_its_host_hits(lfm2_dir: Path, references: dict[str, list[list[int]]],
+                                                           tmp_path: Path) -> None:
+    """At block_size 2 the tiny LFM2's attention pages and conv states are the same size: the manager keeps
+    a one-level pool (plans of pairs) over the runner's paged buffers. Its swaps copied nothing (the host hits
+    read stale pages: wrong tokens), and a store tier failed to start."""
+    kw = dict(dtype="float32", skip_tokenizer_init=True, block_size=2, max_num_batched_tokens=32)
+    llm = LLM(str(lfm2_dir), num_blocks=60, num_host_blocks=300, **kw)  # type: ignore[arg-type]
+    sizes = llm.engine.runner.page_sizes
+    assert sizes is not None and len(set(sizes)) == 1 and not llm.engine.kv.host.typed  # type: ignore[union-attr]
+    outs = [llm.generate([p], SamplingParams.greedy(N_OUT), use_tqdm=False)[0] for p in PROMPTS]
+    assert [o.token_ids for o in outs] == references["lfm2"]
+    assert outs[-1].num_cached_tokens == HIT["lfm2"] and llm.engine.kv.stats.host_hits > HIT["lfm2"] // 2
+    llm.engine.kv.check_integrity()
+    # Through a store: a second engine reads the first one's blocks back.
+    url = f"file://{tmp_path}"
+    first = LLM(str(lfm2_dir), num_blocks=60, num_host_blocks=300, write_through=True, kv_store=url, **kw)
+    first.generate([PROMPTS[0]], SamplingParams.greedy(N_OUT), use_tqdm=False)
+    first.engine.store.close()  # type: ignore[union-attr]
+    second = LLM(str(lfm2_dir), num_blocks=60, num_host_blocks=300, kv_store=url, **kw)
+    again = second.generate([PROMPTS[-1]], SamplingParams.greedy(N_OUT), use_tqdm=False)[0]
+    assert again.token_ids == references["lfm2"][-1] and again.num_cached_tokens == HIT["lfm2"]
+    second.engine.store.close()  # type: ignore[union-attr]
