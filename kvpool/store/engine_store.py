@@ -105,6 +105,7 @@ class EngineStore:
                               block_bytes=block_bytes)
         self.url = url
         self._held: OrderedDict[str, Any] = OrderedDict()
+        self._again: dict[str, float] = {}  # held requests that wait on others' reads -> their first deadline
         # Writes still queued at exit are flushed (for a few seconds at most): a replica restarted right
         # after it stopped gets its last blocks back from the store. A weak reference: registering does not
         # keep an engine alive.
@@ -158,17 +159,24 @@ class EngineStore:
                  for g, m in enumerate(self.kv.managers)]
         return ReadPlan(self.rules, local, hit_point(self.rules, local, n), n, keys, self.kv.page_type)
 
-    def _hold_hybrid(self, req: Any, hashes: Sequence[bytes]) -> bool:
+    def _hold_hybrid(self, req: Any, hashes: Sequence[bytes], deadline: float | None = None) -> bool:
         plan = self.read_plan(hashes)
         if plan.local_point >= plan.limit:
             return False  # the local tiers already give the longest hit allowed
         candidates = plan.candidates()
         if not candidates:
             return False
+        # Keys an earlier request's read is reading are left to it; but that read lands only what its own hit
+        # needs, which may not be what this one's needs: once those reads are in, this request reads what is
+        # still missing itself (once, within its first deadline; see `pump`).
+        borrows = deadline is None and self.tier.fetching_any(candidates)
         if not self.tier.request_arrived_with(req.request_id, candidates, lambda owned: plan.job(candidates, owned),
-                                              cost=(plan.needed_from_store(), plan.limit - plan.local_point)):
+                                              cost=(plan.needed_from_store(), plan.limit - plan.local_point),
+                                              deadline=deadline):
             return False
         self._held[req.request_id] = req
+        if borrows:
+            self._again[req.request_id] = self.tier.clock() + self.tier.deadline_s
         return True
 
     def _land_hybrid(self, pairs: list[tuple[bytes, Any]]) -> int:
@@ -202,7 +210,16 @@ class EngineStore:
             self.tier.land_with(self._land_hybrid, lambda tp: self.tier.fits(tp[2], self.pages[tp[0]].nbytes))
         else:
             self.tier.land(self.pool.shelter, self.pool.free_blocks, self.caches)
-        ready = [rid for rid in self._held if self.tier.ready(rid)]
+        ready = []
+        for rid, req in list(self._held.items()):
+            if not self.tier.ready(rid):
+                continue
+            deadline = self._again.pop(rid, None)
+            if deadline is not None and self.tier.clock() < deadline:
+                max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+                if self._hold_hybrid(req, req.block_hashes[:max_blocks], deadline):
+                    continue  # its own read of what the others' did not land
+            ready.append(rid)
         return [self._held.pop(rid) for rid in ready]
 
     def after_swaps(self, plan: SwapPlan) -> None:
@@ -229,6 +246,7 @@ class EngineStore:
     def drop(self, request_id: str) -> Any | None:
         """Forget a held request (aborted before it was scheduled)."""
         self.tier.forget(request_id)
+        self._again.pop(request_id, None)
         return self._held.pop(request_id, None)
 
     def close(self) -> None:

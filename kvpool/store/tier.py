@@ -144,10 +144,11 @@ class StoreTier:
         self.recompute_s_per_block = moving_average(self.recompute_s_per_block, seconds / num_blocks,
                                                     self.COMPUTE_EWMA)
 
-    def _wait(self, request_id: str, keys: list[bytes]) -> bool:
+    def _wait(self, request_id: str, keys: list[bytes], deadline: float | None = None) -> bool:
         """The request waits for `keys` to land, or for its deadline."""
-        self._waiters[request_id] = _Waiter(keys, self.clock() + self.deadline_s)
-        self.requests_waited += 1
+        if request_id not in self._waiters:  # (a second wait of one request is not another request waiting)
+            self.requests_waited += 1
+        self._waiters[request_id] = _Waiter(keys, self.clock() + self.deadline_s if deadline is None else deadline)
         return True
 
     def _read(self, keys: list[bytes], start: Callable[[list[bytes]], Future[list[Any]]], chain: bool) -> None:
@@ -164,15 +165,20 @@ class StoreTier:
         if not self._fetches:
             self._read(want, start, chain)
 
+    def fetching_any(self, keys: Sequence[bytes]) -> bool:
+        """Whether an earlier request's read is reading any of `keys` now."""
+        return any(k in self._fetching for k in keys)
+
     def request_arrived_with(self, request_id: str, keys: Sequence[bytes],
                              make_job: Callable[[list[bytes]], Callable[[Any], list[Any]]],
-                             cost: tuple[int, int] | None = None) -> bool:
+                             cost: tuple[int, int] | None = None, deadline: float | None = None) -> bool:
         """Like `request_arrived`, for a read that decides on the worker thread what to read: `keys` are
         every key the request may need; `make_job(owned)` gives the job reading the ones not already being
         read by an earlier request (`owned`), which returns per owned key a payload for `land_with`'s sink
         or None. The request waits for all of `keys` (its own job and the earlier ones), or its deadline.
         `cost`: (values the read is expected to fetch, token blocks they spare computing), for the
-        read-or-recompute choice; the job costs two round trips (EXISTS, then GET). Default: one per key."""
+        read-or-recompute choice; the job costs two round trips (EXISTS, then GET). Default: one per key.
+        `deadline`: when the request stops waiting (default: the tier's deadline from now)."""
         want = list(keys)
         if not want or not self.worker.store.available:
             return False
@@ -185,7 +191,7 @@ class StoreTier:
             self._read_behind(want, start, chain=False)
             return False
         self._read(want, start, chain=False)
-        return self._wait(request_id, want)
+        return self._wait(request_id, want, deadline)
 
     def land(self, shelter: Callable[[bytes], Any], release: Callable[[list[Any]], None], caches: Caches) -> int:
         """Write every completed read into host blocks. `shelter(hash)` gives a pinned host block (or None:

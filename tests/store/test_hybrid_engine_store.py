@@ -206,3 +206,27 @@ def test_a_store_that_is_down_never_fails_a_request(model: str, redis_server: Re
     assert other.engine.store is not None
     other.engine.store.close()
     st.close()
+
+
+@pytest.mark.parametrize("model", ["gemma3", "lfm2"])
+def test_a_request_waiting_on_anothers_read_still_gets_its_own_hit(model: str, tmp_path: Path,
+                                                                    request: pytest.FixtureRequest) -> None:
+    """Two prompts sharing a prefix arrive together at a fresh replica: the shorter one waits on keys the
+    longer one's read owns, and that read lands only what the longer hit needs (a window or a state further
+    on). The shorter one then reads its own: it hit nothing before (48 tokens alone)."""
+    path = request.getfixturevalue(f"{model}_dir")
+    url = f"file://{tmp_path}"
+    base = [(7 * i + 3) % TINY_VOCAB for i in range(80)]
+    pair = [base[:72], base[:50]]
+    ref = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=BS, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
+    want = [o.token_ids for o in run(ref, pair)]
+    first = make(path, model, url)
+    assert [o.token_ids for o in run(first, pair)] == want
+    first.engine.store.close()  # type: ignore[union-attr]
+    second = make(path, model, url)
+    outs = run(second, pair)
+    assert [o.token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [HIT_BLOCKS * BS if model == "gemma3" else 64, 48]
+    second.engine.kv.check_integrity()
+    second.engine.store.close()  # type: ignore[union-attr]
