@@ -139,25 +139,23 @@ def test_file_store_permission_errors_are_refusals_and_misses_not_an_outage(
     data = blocks(2)
     bs.put(data)
     unreadable = bs.store._path(FP.key(data[0][0]))  # type: ignore[attr-defined]
-    real = Path.read_bytes
 
-    def read_bytes(self: Path) -> bytes:
-        if self == unreadable:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self)
+    def denied(name: str) -> None:
+        """Path.<name> raises EACCES for the one file, as for another user's file."""
+        real = getattr(Path, name)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+        def method(self: Path) -> object:
+            if self == unreadable:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self)
+
+        monkeypatch.setattr(Path, name, method)
+
+    denied("read_bytes")
     assert bs.get([h for h, _ in data]) == [None, data[1][1]] and bs.available
     # The same file's directory not searchable: `is_file` raises (Python 3.11) where EXISTS looks (the
     # reads of hybrid models): a miss for that key, not the store down for a second.
-    real_is_file = Path.is_file
-
-    def is_file(self: Path) -> bool:
-        if self == unreadable:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_is_file(self)
-
-    monkeypatch.setattr(Path, "is_file", is_file)
+    denied("is_file")
     assert bs.exists([h for h, _ in data]) == [False, True] and bs.available and bs.stats.errors == 0
     monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
     assert not bs.put(blocks(1, salt=b"x"))
