@@ -225,6 +225,14 @@ class HostBlockPool(BlockPool):
             self.policy.on_cached(blk, 0, None)  # the host tier keeps no chain: no depth, no parent
         return blk
 
+    def unshelter(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Blocks `shelter` gave whose copy could not be written: forget their hashes (they hold nothing
+        that key names) and free them, empty."""
+        for blk in blocks:
+            if blk.block_hash is not None:
+                self._uncache(blk)
+        self.free_blocks(blocks)
+
     def reset_prefix_cache(self) -> bool:
         if not super().reset_prefix_cache():
             return False

@@ -189,10 +189,15 @@ class EngineStore:
             blocks, data = by_type.setdefault(t, ([], []))
             blocks.append(hb)
             data.append(payload)
+        landed = 0
         for t, (blocks, data) in by_type.items():
-            self.pages[t].scatter([b.block_id for b in blocks], data)
-            self.kv.host.pools[t].free_blocks(blocks)  # type: ignore[union-attr]
-        return sum(len(b) for b, _ in by_type.values())
+            pool = self.kv.host.pools[t]  # type: ignore[union-attr]
+            pages = self.pages[t]
+            if self.tier.copied(lambda p=pages, b=blocks, d=data: p.scatter([x.block_id for x in b], d),
+                                pool.unshelter, blocks):
+                pool.free_blocks(blocks)
+                landed += len(blocks)
+        return landed
 
     def times(self, scheduled: Sequence[Any]) -> bool:
         """Whether a step of these `ScheduledRequest`s tells what recomputing a block costs (`prompt_step`)."""
@@ -209,7 +214,7 @@ class EngineStore:
         if self.hybrid:
             self.tier.land_with(self._land_hybrid, lambda tp: self.tier.fits(tp[2], self.pages[tp[0]].nbytes))
         else:
-            self.tier.land(self.pool.shelter, self.pool.free_blocks, self.caches)
+            self.tier.land(self.pool.shelter, self.pool.free_blocks, self.caches, self.pool.unshelter)
         ready = []
         for rid, req in list(self._held.items()):
             if not self.tier.ready(rid):

@@ -193,9 +193,11 @@ class StoreTier:
         self._read(want, start, chain=False)
         return self._wait(request_id, want, deadline)
 
-    def land(self, shelter: Callable[[bytes], Any], release: Callable[[list[Any]], None], caches: Caches) -> int:
+    def land(self, shelter: Callable[[bytes], Any], release: Callable[[list[Any]], None], caches: Caches,
+             unshelter: Callable[[list[Any]], None]) -> int:
         """Write every completed read into host blocks. `shelter(hash)` gives a pinned host block (or None:
-        already there, or no room) and `release(blocks)` unpins them once written. Returns blocks landed."""
+        already there, or no room), `release(blocks)` unpins them once written, and `unshelter(blocks)` gives
+        them back empty when the copy fails. Returns blocks landed."""
 
         nbytes = block_nbytes(caches)
 
@@ -208,12 +210,27 @@ class StoreTier:
                 blocks.append(hb)
                 ids.append(hb.block_id)
                 data.append(p)
+            if ids and not self.copied(lambda: scatter(caches, ids, data), unshelter, blocks):
+                return 0
             if ids:
-                scatter(caches, ids, data)
                 release(blocks)
             return len(ids)
 
         return self.land_with(sink, lambda p: self.fits(p, nbytes))
+
+    def copied(self, copy: Callable[[], None], unshelter: Callable[[list[Any]], None], blocks: list[Any]) -> bool:
+        """Run a landing's copy into host blocks; if it fails, give the blocks back empty (their hashes
+        forgotten) and count the values as misses: a store fault never stops a step, nor leaves host
+        blocks pinned under keys they do not hold."""
+        try:
+            copy()
+        except Exception:
+            log.exception("KV store: writing %d landed values into host blocks failed; treated as misses",
+                          len(blocks))
+            unshelter(blocks)
+            self.stats.add(corrupt=len(blocks))
+            return False
+        return True
 
     def fits(self, payload: bytes | bytearray | memoryview, nbytes: int) -> bool:
         """Whether a verified payload is one block of this layout. A value framed and checksummed under this

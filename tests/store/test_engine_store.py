@@ -115,6 +115,32 @@ def test_a_well_framed_value_of_the_wrong_size_is_a_miss(tiny_llama_dir: Path, t
     st.close()
 
 
+def test_a_landing_whose_copy_fails_is_a_miss_and_frees_its_host_blocks(
+        tiny_llama_dir: Path, tmp_path: Path, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever makes the copy of landed values into host blocks fail (here: it raises), the request is
+    served with the same tokens, and the host blocks sheltered for the values are free and hold no key."""
+    from kvpool.store import tier
+
+    url = f"file://{tmp_path}"
+    first = make(tiny_llama_dir, url)
+    run(first, prompts())
+    first.engine.store.close()
+    second = make(tiny_llama_dir, url)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(tier, "scatter", broken)
+    host = second.engine.kv.host_pool
+    outs = run(second, prompts())
+    assert [o.token_ids for o in outs] == expected and all(o.num_cached_tokens == 0 for o in outs)
+    st = second.engine.store
+    assert st.tier.blocks_landed == 0 and st.stats.corrupt == 3 * ((61 - 1) // BS)
+    assert host is not None and not any(b.ref_cnt for b in host.blocks)
+    second.engine.kv.check_integrity()
+    st.close()
+
+
 def test_store_killed_mid_run(tiny_llama_dir: Path, redis_server: RedisServer, expected: list[list[int]]) -> None:
     llm = make(tiny_llama_dir, redis_server.url)
     assert [o.token_ids for o in run(llm, prompts()[:1])] == expected[:1]

@@ -230,3 +230,27 @@ def test_a_request_waiting_on_anothers_read_still_gets_its_own_hit(model: str, t
     assert [o.num_cached_tokens for o in outs] == [HIT_BLOCKS * BS if model == "gemma3" else 64, 48]
     second.engine.kv.check_integrity()
     second.engine.store.close()  # type: ignore[union-attr]
+
+
+def test_a_landing_whose_copy_fails_is_a_miss_in_every_group(lfm2_dir: Path, tmp_path: Path,
+                                                              expected: dict[str, list[list[int]]],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """LFM2 (two page types): a copy into host pages that fails is a miss for what it carried, and the host
+    pages sheltered for it are free again and hold no key."""
+    from kvpool.store.hybrid import SlotPages
+
+    url = f"file://{tmp_path}"
+    fill(lfm2_dir, "lfm2", url, expected["lfm2"])
+    second = make(lfm2_dir, "lfm2", url)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(SlotPages, "scatter", broken)
+    outs = run(second)
+    assert [o.token_ids for o in outs] == expected["lfm2"] and all(o.num_cached_tokens == 0 for o in outs)
+    st = second.engine.store
+    assert st is not None and st.tier.blocks_landed == 0 and st.stats.corrupt > 0
+    assert all(not b.ref_cnt for p in second.engine.kv.host.pools for b in p.blocks)  # type: ignore[union-attr]
+    second.engine.kv.check_integrity()
+    st.close()

@@ -61,7 +61,7 @@ def write_replica(url: str, hashes: list[bytes]) -> list[tuple[torch.Tensor, tor
 def land_all(t: StoreTier, pool: HostBlockPool, cs: list, timeout: float = 5.0) -> int:
     n, deadline = 0, time.monotonic() + timeout
     while time.monotonic() < deadline and t._fetches:
-        n += t.land(pool.shelter, pool.free_blocks, cs)
+        n += t.land(pool.shelter, pool.free_blocks, cs, pool.unshelter)
         time.sleep(0.01)
     return n
 
