@@ -1,4 +1,12 @@
-"""`file:///path`: the embedded store, a directory on local disk (no server; persists across restarts).
+"""`file:///path[?max_size=SIZE]`: the embedded store, a directory on local disk (no server; persists across
+restarts).
+
+`max_size` (e.g. `10GiB`) bounds the bytes of the values this store keeps: past it, the least recently
+written or read values are deleted (a value read is touched, so its file's time says when it was last used,
+across restarts too). Without it the directory grows until the disk is full, and then refuses writes,
+starving whatever else shares the disk. The bound is this process's view: what it wrote and read, and what
+was there when it opened; replicas sharing a directory should give it the same bound, which then holds
+within what one replica writes between the others' evictions.
 
 One file per key under a two-level fan-out of its hash (no directory with millions of entries). Writes go
 to a temporary file in the same directory and are renamed into place, which POSIX makes atomic: a reader
@@ -12,6 +20,8 @@ import contextlib
 import errno
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +40,7 @@ def _umask() -> int:
 
 
 class FileStore(KVStore):
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, max_bytes: int | None = None) -> None:
         self.root = Path(root)
         self.url = f"file://{self.root}"
         try:
@@ -40,6 +50,57 @@ class FileStore(KVStore):
         # Files as any other file this process creates (mkstemp's are 0600): replicas of other users
         # sharing the directory read them, as the umask allows.
         self.mode = 0o666 & ~_umask()
+        self.max_bytes = max_bytes
+        self.evicted = 0  # values deleted to stay within max_bytes
+        # With a bound: every value file's size, least recently used first.
+        self._lru: OrderedDict[Path, int] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        if max_bytes is not None:
+            self._scan()
+
+    def _scan(self) -> None:
+        """What the directory holds now, oldest first (by the files' times: written, or last read)."""
+        found = []
+        for top in os.scandir(self.root):
+            if not top.is_dir() or top.name.startswith("."):
+                continue
+            for sub in os.scandir(top.path):
+                if not sub.is_dir():
+                    continue
+                for f in os.scandir(sub.path):
+                    if f.name.startswith(".tmp-") or not f.is_file():
+                        continue
+                    with contextlib.suppress(OSError):
+                        st = f.stat()
+                        found.append((st.st_mtime_ns, Path(f.path), st.st_size))
+        for _, path, size in sorted(found, key=lambda x: (x[0], str(x[1]))):
+            self._lru[path] = size
+            self._bytes += size
+        self._evict()
+
+    def _used(self, path: Path, size: int | None) -> None:
+        """`path` was written (`size` bytes) or read (None): the most recently used value now."""
+        if self.max_bytes is None:
+            return
+        with self._lock:
+            if size is None:
+                if path in self._lru:
+                    self._lru.move_to_end(path)
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # (the order survives a restart)
+                return
+            self._bytes += size - self._lru.pop(path, 0)
+            self._lru[path] = size
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.max_bytes is not None and self._bytes > self.max_bytes and self._lru:
+            path, size = self._lru.popitem(last=False)
+            self._bytes -= size
+            self.evicted += 1
+            with contextlib.suppress(OSError):  # (another replica may have deleted it already)
+                path.unlink()
 
     def _path(self, key: bytes) -> Path:
         name = key.decode().replace(":", "_")
@@ -57,6 +118,7 @@ class FileStore(KVStore):
                     with os.fdopen(fd, "wb") as f:
                         f.write(value)
                     os.replace(tmp, path)
+                    self._used(path, len(value))
                 except BaseException:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
@@ -69,7 +131,9 @@ class FileStore(KVStore):
         out: list[bytes | None] = []
         for key in keys:
             try:
-                out.append(self._path(key).read_bytes())
+                path = self._path(key)
+                out.append(path.read_bytes())
+                self._used(path, None)
             except FileNotFoundError:
                 out.append(None)
             except OSError as e:

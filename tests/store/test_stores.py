@@ -321,3 +321,31 @@ def test_redis_client_sees_framed_values(redis_server: RedisServer) -> None:
     bs.put([(h, p)])
     raw = redis_py.Redis(port=redis_server.port).get(FP.key(h))
     assert raw is not None and raw.startswith(b"KVPB") and p in raw
+
+
+def test_a_bounded_file_store_evicts_the_least_recently_used_values(tmp_path: Path) -> None:
+    """`file:///dir?max_size=SIZE`: past the bound, the values least recently written or read are deleted
+    (a read touches its file, so the order holds across a restart); without one, the disk fills up."""
+    keys = [f"kvpool:fp:{i:04x}".encode() for i in range(6)]
+    store = open_store(f"file://{tmp_path}?max_size=1000B")
+    assert isinstance(store, FileStore) and store.max_bytes == 1000
+    store.put_many([(k, bytes(300)) for k in keys[:3]])  # 900 bytes
+    assert store.get_many(keys[:1]) == [bytes(300)]  # key 0 is now the most recently used
+    store.put_many([(keys[3], bytes(300))])  # 1200 > 1000: key 1, the least recently used, goes
+    assert store.exists_many(keys[:4]) == [True, False, True, True] and store.evicted == 1
+    assert not store._path(keys[1]).exists()  # type: ignore[attr-defined]
+    # A restart reads the order from the files' times: key 2 is now the oldest.
+    time.sleep(0.01)
+    store.get_many([keys[0]])
+    again = open_store(f"file://{tmp_path}?max_size=1000B")
+    again.put_many([(keys[4], bytes(300))])
+    assert again.exists_many(keys[:5]) == [True, False, False, True, True]
+    # A smaller bound at start evicts at once; a value larger than the bound is not kept.
+    small = open_store(f"file://{tmp_path}?max_size=400B")
+    assert sum(small.exists_many(keys)) == 1
+    small.put_many([(keys[5], bytes(500))])
+    assert small.exists_many([keys[5]]) == [False]
+    with pytest.raises(ValueError, match=r"kv_store: unknown option\(s\) \['size'\] .*max_size=SIZE"):
+        open_store(f"file://{tmp_path}?size=1GiB")
+    with pytest.raises(ValueError, match=r"kv_store: max_size: cannot read 'lots' as a size"):
+        open_store(f"file://{tmp_path}?max_size=lots")
