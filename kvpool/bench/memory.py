@@ -237,7 +237,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.chunk < 1:
         raise ValueError(f"chunk: must be >= 1, got {a.chunk}")
     contexts = None
-    if a.contexts:
+    if a.contexts is not None:  # ('' names no length: refused below, not the configs' own lengths)
         try:
             contexts = [int(c) for c in a.contexts.split(",")]
         except ValueError:

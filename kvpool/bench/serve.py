@@ -156,6 +156,8 @@ def build_requests(a: argparse.Namespace) -> list[BenchRequest]:
     _need(n is None or 1 <= n <= MAX_NUM_PROMPTS, "num_prompts", f"must be in [1, {MAX_NUM_PROMPTS}], got {n}")
     lo, hi = a.token_id_low, a.token_id_high
     _need(0 <= lo < hi, "token_id_low", f"need 0 <= token_id_low < token_id_high, got [{lo}, {hi})")
+    _need(a.dataset_path is None or a.dataset_name == "trace", "dataset_path",
+          f"only the trace dataset reads a file; --dataset-name {a.dataset_name} would ignore it")
     rng = np.random.default_rng(a.seed)
 
     def toks(k: int) -> list[int]:

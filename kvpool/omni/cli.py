@@ -64,16 +64,17 @@ def run(a: argparse.Namespace) -> None:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """`kvpool omni-serve`: the pipeline's flags, the server's, and the image limits of `kvpool serve`."""
     from kvpool.flags import add_flags
-    from kvpool.server.options import ImageServerConfig, ServerConfig
+    from kvpool.server.options import ImageServerConfig, ServerConfig, host_address, nonempty, port_number
 
     add_pipeline_arguments(p)
     p.add_argument("--no-vision", action="store_true",
                    help="no vision stage in the thinker: requests with images get HTTP 400")
     s = p.add_argument_group("server")
     defaults = ServerConfig()
-    s.add_argument("--host", default=defaults.host, help="address to listen on")
-    s.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--host", default=defaults.host, type=host_address, help="address to listen on")
+    s.add_argument("--port", type=port_number, default=defaults.port, help="port to listen on")
+    s.add_argument("--api-key", default=None, type=nonempty("a key; leave the flag out to require none"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", default="omni", help="the model id clients send (default: omni)")
     s.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
                    help="larger request bodies get HTTP 413")

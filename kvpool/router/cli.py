@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from kvpool.server.options import nonempty, port_number
+from kvpool.server.options import host_address, nonempty, port_number
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", required=True, metavar="URL[,events=EP][,replay=EP][,topic=T]",
                    help="a replica's base URL, with its KV event endpoints (repeat per replica)")
-    p.add_argument("--host", default="127.0.0.1", type=nonempty("an address, e.g. 127.0.0.1 or 0.0.0.0"))
+    p.add_argument("--host", default="127.0.0.1", type=host_address)
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--model", default=None, help="the replicas' model folder, for its tokenizer (default: SmolLM2)")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size")

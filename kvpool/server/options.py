@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,19 @@ def at_least(lowest: int) -> Callable[[str], int]:
 _positive = at_least(1)
 
 
+def host_address(text: str) -> str:
+    """An argparse type: an address to listen on. Empty is refused (it listens on every interface, not the
+    default loopback); one that reads as an IP address must be one (999.1.1.1 failed only once the model had
+    loaded). Names are left to the resolver."""
+    text = nonempty("an address, e.g. 127.0.0.1 or 0.0.0.0")(text)
+    if ":" in text or all(part.isdigit() for part in text.split(".")):
+        try:
+            ipaddress.ip_address(text.strip("[]"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an IP address") from None
+    return text
+
+
 def nonempty(what: str) -> Callable[[str], str]:
     """An argparse type: a string with something in it. An empty --host listens on every interface (not the
     default loopback), an empty --api-key lets in anyone sending an empty token: both usually come from an
@@ -58,7 +72,7 @@ def _positive_float(text: str) -> float:
 class ServerConfig:
     """The HTTP server: where it listens, who may call it, how much it takes in, where KV events go."""
 
-    host: str = option("127.0.0.1", "address to listen on", type=nonempty("an address, e.g. 127.0.0.1 or 0.0.0.0"))
+    host: str = option("127.0.0.1", "address to listen on", type=host_address)
     port: int = option(8000, "port to listen on", type=port_number)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 and admin routes",
                                  type=nonempty("a key; leave the flag out to require none"))

@@ -38,6 +38,9 @@ from kvpool.cli import build_parser, main
      "base_url: 'http://127.0.0.1:99999' has no valid port"),
     (["bench", "serve", "--model", "m", "--burstiness", "inf", "--num-prompts", "1"],
      "burstiness: must be a finite number > 0, got inf"),
+    (["bench", "serve", "--model", "m", "--dataset-path", "/nonexistent", "--num-prompts", "1"],
+     "dataset_path: only the trace dataset reads a file; --dataset-name random would ignore it"),
+    (["bench", "memory", "--contexts", ""], "contexts: comma-separated integers expected, got ''"),
 ])
 def test_an_empty_or_unknown_list_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
                                              ) -> None:

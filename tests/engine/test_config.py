@@ -215,6 +215,11 @@ def test_an_eviction_policy_is_a_name_or_a_policy() -> None:
     # An empty key let in any client sending an empty token; an empty host listened on every interface.
     (["serve", "--api-key", ""], "argument --api-key: must not be empty (a key; leave the flag out to require none)"),
     (["serve", "--host", " "], "argument --host: must not be empty (an address, e.g. 127.0.0.1 or 0.0.0.0)"),
+    (["serve", "--host", "999.1.1.1"], "argument --host: '999.1.1.1' is not an IP address"),
+    (["omni-serve", "--api-key", ""], "argument --api-key: must not be empty"),
+    (["omni-serve", "--host", ""], "argument --host: must not be empty"),
+    (["omni-serve", "--port", "70000"], "argument --port: must be in 0..65535"),
+    (["router", "--replica", "http://127.0.0.1:9", "--host", "::zz"], "argument --host: '::zz' is not an IP address"),
     (["router", "--replica", "http://127.0.0.1:9", "--api-key", ""], "argument --api-key: must not be empty"),
     (["router", "--replica", "http://127.0.0.1:9", "--host", ""], "argument --host: must not be empty"),
     (["router", "--replica", "http://127.0.0.1:9", "--port", "70000"], "argument --port: must be in 0..65535"),
