@@ -48,15 +48,16 @@ T = TypeVar("T")
 WATCH_POLL_S = 0.1  # how often a request waiting on a replica looks whether it has been marked down
 
 
-async def while_up(work: Awaitable[T], router: Router, name: str, request: Request | None = None
-                   ) -> tuple[bool, T | None]:
-    """(True, what `work` gives), or (False, None) once replica `name` is marked down (or the client has
-    left): `work` is then cancelled. A frozen replica accepts a request and never answers; without this,
-    whoever waits on it (a client listing models, pinning, resetting) waits forever, as the router's
-    requests to replicas have no read timeout (a long generation is not a fault)."""
+async def while_up(work: Awaitable[T], router: Router, name: str, request: Request | None = None,
+                   epoch: int | None = None) -> tuple[bool, T | None]:
+    """(True, what `work` gives), or (False, None) once replica `name` is marked down (since `epoch`, its
+    `downs`; default: now) or the client has left: `work` is then cancelled. A frozen replica accepts a
+    request and never answers; without this, whoever waits on it (a client listing models, pinning,
+    resetting, generating) waits forever, as the router's requests to replicas have no read timeout (a
+    long generation is not a fault)."""
     rep = router.replicas[name]
-    epoch = rep.downs
-    return await until_disconnected(work, request, WATCH_POLL_S, stop=lambda: rep.downs != epoch)
+    since = rep.downs if epoch is None else epoch
+    return await until_disconnected(work, request, WATCH_POLL_S, stop=lambda: rep.downs != since)
 
 _FORWARD_HEADERS = ("authorization", "content-type", "accept")
 PIN_CHECK_S = 1.0  # how often the router makes sure every healthy replica holds every live pin

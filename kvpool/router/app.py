@@ -59,7 +59,6 @@ from kvpool.server.errors import (
     cancel_and_wait,
     check_api_key,
     read_raw,
-    until_disconnected,
 )
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, chat_messages
@@ -780,11 +779,10 @@ async def _watch(work: Awaitable[T], request: Request, router: Router, name: str
     the replica has been marked down since `epoch` (its `downs`): `work` is then cancelled, which for a
     request to a replica closes the connection and makes the replica abort it. `work`'s own exception
     propagates."""
-    rep = router.replicas[name]
-    ok, out = await until_disconnected(work, request, WATCH_POLL_S, stop=lambda: rep.downs != epoch)
+    ok, out = await while_up(work, router, name, request, epoch)
     if ok:
         return "ok", out
-    return ("down" if rep.downs != epoch else "gone"), None
+    return ("down" if router.replicas[name].downs != epoch else "gone"), None
 
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # an SSE event ends at a blank line
