@@ -85,11 +85,18 @@ class TiledImageInput:
 MMInput = ImageInput | EmbedsInput | TiledImageInput
 
 
+def _described(label: str, t: torch.Tensor) -> tuple[bytes, bytes]:
+    """A tensor as what a digest of it reads: `label`, its dtype and shape, then its bytes."""
+    a = t.detach().to("cpu").contiguous()
+    return (f"{label}|{a.dtype}|{tuple(a.shape)}|".encode(),
+            a.view(torch.uint8).numpy().tobytes() if a.numel() else b"")
+
+
 def content_hash(kind: str, t: torch.Tensor) -> str:
     """A digest of a tensor's dtype, shape and bytes: equal content, equal hash, in any process."""
-    a = t.detach().to("cpu").contiguous()
-    h = hashlib.sha256(f"{kind}|{a.dtype}|{tuple(a.shape)}|".encode())
-    h.update(a.view(torch.uint8).numpy().tobytes() if a.numel() else b"")
+    head, data = _described(kind, t)
+    h = hashlib.sha256(head)
+    h.update(data)
     return h.hexdigest()
 
 
@@ -102,10 +109,8 @@ def encoder_identity(encoder: nn.Module) -> str:
     cls = type(encoder)
     h = xxhash.xxh3_128(f"{cls.__module__}.{cls.__qualname__}|".encode())
     for name, t in encoder.state_dict().items():
-        a = t.detach().to("cpu").contiguous()
-        h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
-        if a.numel():
-            h.update(a.view(torch.uint8).numpy().tobytes())
+        for part in _described(name, t):
+            h.update(part)
     return h.hexdigest()
 
 
