@@ -8,15 +8,24 @@ evicts (a duplicate copy too); `AllBlocksCleared` on a reset. A subscriber count
 removed per hash knows how many copies each tier holds, and so exactly the set of hashes cached.
 
 `medium` is vLLM's: "GPU" for the device tier (whatever the device: consumers map this name to the
-tier that serves hits without a copy) and "CPU" for the host tier.
+tier that serves hits without a copy), "CPU" for the host tier and "STORAGE" for a store below them
+(`--kv-store`). A store publishes no removals: it evicts on its own (Redis' maxmemory policy, a file
+store's size bound) without telling anyone, so a consumer must bound what it remembers of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpool.core.block import raw_hash
+
+if TYPE_CHECKING:
+    from kvpool.core.block import BlockHash, KVCacheBlock
 
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
+MEDIUM_STORE = "STORAGE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +55,12 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def block_stored(blk: KVCacheBlock, key: BlockHash, block_size: int, medium: str) -> BlockStored:
+    """The `BlockStored` of one block cached under `key` (its group's key), from the descriptor fields the
+    block carries (its tokens, parent, LoRA and extra keys)."""
+    return BlockStored(block_hashes=[raw_hash(key, blk.group_id)], parent_block_hash=blk.parent_hash,
+                       token_ids=list(blk.token_ids or ()), block_size=block_size, lora_id=blk.lora_id,
+                       extra_keys=None if blk.extra_keys is None else [blk.extra_keys], medium=medium,
+                       group_id=blk.group_id)

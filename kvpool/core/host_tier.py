@@ -21,7 +21,7 @@ from functools import partial
 
 from kvpool.core.block import BlockHash, KVCacheBlock
 from kvpool.core.block_pool import BlockPool
-from kvpool.core.events import BlockStored, KVCacheEvent
+from kvpool.core.events import KVCacheEvent, block_stored
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.swap import SwapPlan
 
@@ -114,12 +114,7 @@ class HostTier:
             d = device_block
             host_block.token_ids, host_block.parent_hash = d.token_ids, d.parent_hash
             host_block.lora_id, host_block.extra_keys = d.lora_id, d.extra_keys
-            raw = key if d.group_id == 0 else key[:-1]
-            self._events.append(BlockStored(
-                block_hashes=[raw], parent_block_hash=d.parent_hash, token_ids=list(d.token_ids or ()),
-                block_size=self.block_size, lora_id=d.lora_id,
-                extra_keys=None if d.extra_keys is None else [d.extra_keys], medium=self.pools[0].medium,
-                group_id=d.group_id))
+            self._events.append(block_stored(d, key, self.block_size, self.pools[0].medium))
 
     # -- the step --------------------------------------------------------------------------------------
 

@@ -292,9 +292,9 @@ class AsyncEngine:
                         if failed >= self.MAX_FAILED_STEPS:
                             raise
                         self._recover(e)
-                elif self._unreported and self._listeners:
+                elif (self._unreported or self.engine.has_kv_events()) and self._listeners:
                     # No step will follow to report what changed (an abort freed blocks, a reset cleared
-                    # them): report it now.
+                    # them, the store took the last blocks written through): report it now.
                     self._publish(self._report())
         except BaseException as e:  # a bug in a step: fail every request loudly rather than hang them
             log.exception("engine step failed; the engine is stopped")

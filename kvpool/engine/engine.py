@@ -192,7 +192,8 @@ class LLMEngine:
                                      host_pages=self.runner.host_pages, group_of_layer=layout.group_of_layer,
                                      tensor_of_layer=layout.tensor_of_layer,
                                      compute=str(self.runner.dtype).removeprefix("torch.")
-                                     + ("+batch-invariant" if config.batch_invariant else ""))
+                                     + ("+batch-invariant" if config.batch_invariant else ""),
+                                     kv_events=config.enable_kv_events)
 
     def _pin_budget_blocks(self) -> int:
         """The blocks pinned prefixes may hold: `pin_budget` of the pool, but never so many that the longest
@@ -312,8 +313,17 @@ class LLMEngine:
         return self.kv.take_prefix_cache_stats()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        """KV cache events since the last call (empty unless enable_kv_events)."""
-        return self.kv.take_events()
+        """KV cache events since the last call (empty unless enable_kv_events): the tiers' own, then the
+        blocks the store took (written on its own thread, so they may come a step or more after the host
+        tier's event of the same block)."""
+        events = self.kv.take_events()
+        if self.store is not None:
+            events += self.store.take_events()
+        return events
+
+    def has_kv_events(self) -> bool:
+        """Events wait that no step would report: the store took blocks while the engine is idle."""
+        return self.store is not None and self.store.has_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, in every tier; refused (False), changing nothing, while requests run.

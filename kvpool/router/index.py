@@ -11,7 +11,9 @@ Two sources, one per kind of replica:
 
 Tier weights say how much a cached block is worth compared with computing it: a device hit costs nothing,
 a host hit a copy, a store hit a fetch. All replicas reach a shared store, so store entries are indexed
-under the pseudo-replica `STORE` and count for every replica.
+under the pseudo-replica `STORE` and count for every replica. A store evicts without telling anyone (no
+`BlockRemoved` comes for it), so the index remembers at most `max_store_blocks` of its hashes, the least
+recently stored forgotten first (the order a store under an LRU bound evicts them in).
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, max_store_blocks: int = 1_000_000) -> None:
+        if max_store_blocks < 1:
+            raise ValueError(f"max_store_blocks: must be >= 1, got {max_store_blocks}")
         self._lock = threading.Lock()
         # hash -> replica -> Counter(tier -> copies)
         self._blocks: dict[bytes, dict[str, Counter[str]]] = {}
         self._by_replica: dict[str, set[bytes]] = {}
+        self.max_store_blocks = max_store_blocks
+        self._store_order: OrderedDict[bytes, None] = OrderedDict()  # the store's hashes, least recent first
         self.events_applied = 0
 
     def __len__(self) -> int:
@@ -76,12 +82,35 @@ class PrefixIndex:
             self._clear(replica)
 
     def _add(self, replica: str, h: bytes, tier: str) -> None:
+        if replica == STORE:
+            # One copy per hash: a store holds a key once however many replicas wrote it, and removes it
+            # without an event, so counting writes would keep it here forever.
+            self._store_order[h] = None
+            self._store_order.move_to_end(h)
+            self._blocks.setdefault(h, {})[STORE] = Counter({tier: 1})
+            self._by_replica.setdefault(STORE, set()).add(h)
+            if len(self._store_order) > self.max_store_blocks:
+                old, _ = self._store_order.popitem(last=False)
+                self._drop(STORE, old)
+            return
         self._blocks.setdefault(h, {}).setdefault(replica, Counter())[tier] += 1
         self._by_replica.setdefault(replica, set()).add(h)
+
+    def _drop(self, replica: str, h: bytes) -> None:
+        """`replica` holds `h` no more, in any tier."""
+        holders = self._blocks.get(h)
+        if holders is not None and holders.pop(replica, None) is not None:
+            self._by_replica[replica].discard(h)
+            if not holders:
+                del self._blocks[h]
 
     def _remove(self, replica: str, h: bytes, tier: str) -> None:
         holders = self._blocks.get(h)
         if holders is None or replica not in holders:
+            return
+        if replica == STORE:
+            self._store_order.pop(h, None)
+            self._drop(STORE, h)
             return
         tiers = holders[replica]
         tiers[tier] -= 1

@@ -30,13 +30,14 @@ import logging
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.block import group_key
+from kvpool.core.events import MEDIUM_STORE, block_stored
 from kvpool.store import BlockStore, open_store
-from kvpool.store.blocks import block_nbytes, fingerprint
+from kvpool.store.blocks import block_nbytes, fingerprint, gather
 from kvpool.store.hybrid import HitRule, HostPages, KVPages, ReadPlan, SlotPages, hit_point, hybrid_fingerprint
 from kvpool.store.tier import StoreTier
 from kvpool.store.worker import StoreWorker
@@ -64,12 +65,14 @@ def prompt_step(scheduled: Sequence[Any], block_size: int) -> bool:
 class EngineStore:
     def __init__(self, url: str, kv: KVCacheManager, host_caches: Any, model_dir: Path, block_size: int, *,
                  deadline_s: float = 2.0, kv_layout: str = "standard", host_pages: Sequence[Any] = (),
-                 group_of_layer: Sequence[int] = (), tensor_of_layer: Sequence[int] = (), compute: str = "") -> None:
+                 group_of_layer: Sequence[int] = (), tensor_of_layer: Sequence[int] = (), compute: str = "",
+                 kv_events: bool = False) -> None:
         """`host_caches`: the runner's one-page-size host tensors (`host_kv_caches`); `host_pages`: a
         two-level host tier's per-page-type slot tensors (`host_pages`). `group_of_layer` /
         `tensor_of_layer` (the runner's `LayerLayout`) name each group's layers for the fingerprint of a
         multi-group model. `compute`: how the engine computes KV beyond its weights (model dtype, kernels),
-        part of the fingerprint."""
+        part of the fingerprint. `kv_events`: publish a `BlockStored` (medium STORAGE) for each block the
+        store takes (`take_events`)."""
         if kv.host is None or not (host_caches or host_pages):
             raise ValueError("kv_store: the store sits below the host tier; give the engine one (--swap-space)")
         # (written so that NaN fails too: it compares false to everything, and a NaN deadline never fires)
@@ -77,6 +80,7 @@ class EngineStore:
                 math.isfinite(deadline_s) and deadline_s > 0):
             raise ValueError(f"kv_store_deadline: must be > 0 seconds, got {deadline_s}")
         self.kv = kv
+        self.kv_events = kv_events
         self.caches = host_caches
         self.pool = kv.host.pools[0]
         self.block_size = block_size
@@ -228,25 +232,39 @@ class EngineStore:
         return [self._held.pop(rid) for rid in ready]
 
     def after_swaps(self, plan: SwapPlan) -> None:
+        """Write through to the store the host blocks this step's copies filled."""
         if not self.hybrid:
             if plan.swap_out:
-                blocks = self.pool.blocks
-                self.tier.after_swaps(plan.swap_out, lambda h: blocks[h].block_hash, self.caches)
+                self._write_through(self.pool, [h for _, h in plan.swap_out], lambda ids: gather(self.caches, ids))
             return
         # Every group's sheltered blocks, under their host keys (group_key), per page type.
-        copies = [(0, h) for _, h in plan.swap_out] + [(t, h) for t, _, h in plan.typed_out]
-        if not copies:
-            return
+        by_type: dict[int, list[int]] = {}
+        for _, h in plan.swap_out:
+            by_type.setdefault(0, []).append(h)
+        for t, _, h in plan.typed_out:
+            by_type.setdefault(t, []).append(h)
         pools = self.kv.host.pools  # type: ignore[union-attr]
-        by_type: dict[int, tuple[list[int], list[bytes]]] = {}
-        for t, h in copies:
-            key = pools[t].blocks[h].block_hash
-            if key is not None:
-                ids, keys = by_type.setdefault(t, ([], []))
-                ids.append(h)
-                keys.append(key)
-        for t, (ids, keys) in by_type.items():
-            self.tier.write(list(zip(keys, self.pages[t].gather(ids), strict=True)))
+        for t, ids in by_type.items():
+            self._write_through(pools[t], ids, self.pages[t].gather)
+
+    def _write_through(self, pool: Any, ids: list[int], gather_ids: Callable[[list[int]], Sequence[Any]]) -> None:
+        """Queue the host blocks `ids` of `pool` under their keys; with KV events on, each carries the
+        `BlockStored` (medium STORAGE) published once the store has it."""
+        blocks = pool.blocks
+        ids = [h for h in ids if blocks[h].block_hash is not None]
+        if not ids:
+            return
+        keys = [blocks[h].block_hash for h in ids]
+        tags = ([block_stored(blocks[h], k, self.block_size, MEDIUM_STORE) for h, k in zip(ids, keys, strict=True)]
+                if self.kv_events else None)
+        self.tier.write(list(zip(keys, gather_ids(ids), strict=True)), tags)
+
+    def take_events(self) -> list[Any]:
+        """`BlockStored` events (medium STORAGE) of the blocks the store took since the last call."""
+        return self.tier.worker.take_written()
+
+    def has_events(self) -> bool:
+        return self.tier.worker.has_written()
 
     def drop(self, request_id: str) -> Any | None:
         """Forget a held request (aborted before it was scheduled)."""

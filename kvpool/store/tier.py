@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.store.base import moving_average
-from kvpool.store.blocks import Caches, block_nbytes, gather, scatter
+from kvpool.store.blocks import Caches, block_nbytes, scatter
 from kvpool.store.worker import StoreWorker
 
 log = logging.getLogger(__name__)
@@ -92,22 +92,10 @@ class StoreTier:
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def after_swaps(self, swap_out: Sequence[tuple[int, int]], host_hash: Callable[[int], bytes | None],
-                    caches: Caches) -> int:
-        """Queue for the store the host blocks the swap-outs just filled; returns how many were queued."""
-        ids, hashes = [], []
-        for _, h in swap_out:
-            key = host_hash(h)
-            if key is not None:
-                ids.append(h)
-                hashes.append(key)
-        if not ids:
-            return 0
-        return self.write(list(zip(hashes, gather(caches, ids), strict=True)))
-
-    def write(self, blocks: Sequence[tuple[bytes, bytes]]) -> int:
-        """Queue (key, payload) pairs already copied out of the host tensors; returns how many were queued."""
-        n = self.worker.write(blocks) if blocks else 0
+    def write(self, blocks: Sequence[tuple[bytes, bytes]], tags: Sequence[Any] | None = None) -> int:
+        """Queue (key, payload) pairs already copied out of the host tensors; returns how many were queued.
+        `tags` (one per block): handed back by `take_written` once their block is in the store."""
+        n = self.worker.write(blocks, tags) if blocks else 0
         self.blocks_written += n
         return n
 

@@ -9,6 +9,10 @@ writes, since a waiting request is waiting on a fetch while a write only helps s
 write queue is bounded in blocks and in bytes (a block of a large model is tens of MiB); when it is full
 the new blocks are dropped and counted (a slow store must not grow memory without bound, nor make the
 engine wait), which is the same as a miss later. A closed worker answers every fetch with misses.
+
+A write may carry a tag per block (the engine's `BlockStored` event for it): the tags of the blocks the
+store accepted come back through `take_written`, so the replica tells routers only of blocks that really
+are in the store (not of ones dropped, or refused by a store that is down or full).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class StoreWorker:
         self._cv = threading.Condition()
         self._closed = False
         self._inflight: set[bytes] = set()  # hashes queued or being written: no duplicate writes
+        self._tags: dict[bytes, Any] = {}  # queued hash -> its tag, handed back once the store took it
+        self._written: deque[Any] = deque()  # tags of written blocks, for `take_written`
         self._thread = threading.Thread(target=self._run, name="kvpool-store", daemon=True)
         self._thread.start()
 
@@ -53,13 +59,16 @@ class StoreWorker:
     def stats(self) -> StoreStats:
         return self.store.stats
 
-    def write(self, blocks: Sequence[tuple[bytes, Payload]]) -> int:
-        """Queue blocks for writing; returns how many were queued (the rest were dropped: queue full)."""
+    def write(self, blocks: Sequence[tuple[bytes, Payload]], tags: Sequence[Any] | None = None) -> int:
+        """Queue blocks for writing; returns how many were queued (the rest were dropped: queue full).
+        `tags` (one per block, None for none) come back from `take_written` once their block is stored."""
+        if tags is not None and len(tags) != len(blocks):
+            raise ValueError(f"tags: one per block, got {len(tags)} for {len(blocks)} blocks")
         queued = dropped = 0
         with self._cv:
             if self._closed:
                 return 0
-            for h, p in blocks:
+            for i, (h, p) in enumerate(blocks):
                 if h in self._inflight:
                     continue  # (queued already: neither queued again nor dropped)
                 n = len(p)
@@ -68,6 +77,8 @@ class StoreWorker:
                     continue
                 self._writes.append((h, p))
                 self._inflight.add(h)
+                if tags is not None and tags[i] is not None:
+                    self._tags[h] = tags[i]
                 self._pending_bytes += n
                 queued += 1
             if dropped:
@@ -98,6 +109,16 @@ class StoreWorker:
         with self._cv:
             self._cv.notify()
         return fut
+
+    def take_written(self) -> list[Any]:
+        """The tags of the blocks written since the last call, in the order they were stored."""
+        out = []
+        while self._written:  # (deque.popleft is atomic: the worker thread appends meanwhile)
+            out.append(self._written.popleft())
+        return out
+
+    def has_written(self) -> bool:
+        return bool(self._written)
 
     def pending_writes(self) -> int:
         with self._cv:
@@ -153,14 +174,18 @@ class StoreWorker:
             with self._cv:
                 batch = [self._writes.popleft() for _ in range(min(self.max_batch, len(self._writes)))]
             if batch:
+                stored = False
                 try:
-                    self.store.put(batch)
+                    stored = self.store.put(batch)
                 except Exception:
                     log.exception("KV store write failed")
                 with self._cv:
                     for h, p in batch:
                         self._inflight.discard(h)
                         self._pending_bytes -= len(p)
+                        tag = self._tags.pop(h, None)
+                        if stored and tag is not None:
+                            self._written.append(tag)
                     self._cv.notify_all()
 
     def _read_merged(self, reads: list[tuple[Future[Any], list[bytes]]]) -> None:

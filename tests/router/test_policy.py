@@ -11,7 +11,7 @@ import pytest
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest
 from kvpool.router.app import ReplicaSpec, RouteKey, Router, _read_metrics
-from kvpool.router.index import PrefixIndex, RoutedIndex
+from kvpool.router.index import STORE, PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 
 H = [bytes([i]) * 4 for i in range(8)]
@@ -37,6 +37,26 @@ def test_index_counts_copies_and_tiers() -> None:
     ix.apply("a", [{"type": "AllBlocksCleared"}])
     assert ix.match(H, ["a"])["a"][0] == 3  # only the store's blocks are left
     assert ix.num_blocks("a") == 0
+
+
+def test_the_store_is_remembered_once_per_hash_and_within_a_bound() -> None:
+    ix = PrefixIndex(max_store_blocks=3)
+    # Two replicas wrote the same blocks to the shared store: it holds each once, and one removal (from a
+    # consumer that reports the store's evictions) drops it.
+    ix.apply("a", [stored(H[:2], "STORAGE")])
+    ix.apply("b", [stored(H[:2], "STORAGE")])
+    ix.apply("b", [{"type": "BlockRemoved", "block_hashes": [H[1]], "medium": "STORAGE"}])
+    assert ix.match(H, ["c"])["c"] == (1, 0.5) and ix.num_blocks(STORE) == 1
+    # A store evicts without an event: past the bound the least recently stored hash is forgotten first.
+    ix.apply("a", [stored([H[1], H[2]], "STORAGE")])  # H0, H1, H2
+    ix.apply("b", [stored([H[0]], "STORAGE")])  # written again: H1, H2, H0
+    ix.apply("a", [stored([H[3]], "STORAGE")])  # H1 goes
+    assert ix.num_blocks(STORE) == 3 and ix.match(H, ["c"])["c"] == (1, 0.5)
+    assert ix.match([H[2], H[0], H[3]], ["c"])["c"] == (3, 1.5)
+    ix.apply("a", [stored(H[:1])])  # a device copy beside the store's: a gets the device's weight
+    assert ix.match(H[:1], ["a", "c"]) == {"a": (1, 1.0), "c": (1, 0.5)}
+    with pytest.raises(ValueError, match="max_store_blocks"):
+        PrefixIndex(max_store_blocks=0)
 
 
 def test_routed_index_expires() -> None:

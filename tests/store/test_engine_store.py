@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.core.events import MEDIUM_STORE, BlockStored
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.server.kv_events import encode_event
 from kvpool.store import open_store
 from kvpool.store.server import RedisServer
 
@@ -152,6 +154,53 @@ def test_store_killed_mid_run(tiny_llama_dir: Path, redis_server: RedisServer, e
     llm.engine.store.close()
 
 
+def store_events(llm: LLM) -> tuple[dict[bytes, list[int]], dict[bytes, list[int]]]:
+    """Once the store's writes are done: (host, store) `BlockStored` events since the last call, as hash ->
+    token ids."""
+    assert llm.engine.store.tier.worker.flush(10)
+    got: dict[str, dict[bytes, list[int]]] = {"CPU": {}, "STORAGE": {}}
+    for e in llm.engine.take_kv_events():
+        if isinstance(e, BlockStored) and e.medium in got:
+            assert len(e.block_hashes) == 1 and len(e.token_ids) == BS
+            got[e.medium][e.block_hashes[0]] = e.token_ids
+    return got["CPU"], got["STORAGE"]
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_the_blocks_the_store_took_are_published_as_storage_events(
+        tiny_llama_dir: Path, tmp_path: Path, expected: list[list[int]], backend: str,
+        request: pytest.FixtureRequest) -> None:
+    url = f"file://{tmp_path}" if backend == "file" else request.getfixturevalue("redis_server").url
+    llm = make(tiny_llama_dir, url, enable_kv_events=True)
+    assert [o.token_ids for o in run(llm, prompts())] == expected
+    host, stored = store_events(llm)
+    # Write-through: every host copy went on to the store, and each was published once it was there, with
+    # the tokens the host tier's event gave it (a router hashes and matches on either).
+    assert len(stored) == 3 * ((61 + N_NEW - 1) // BS) and stored == host
+    store = llm.engine.store.tier.worker.store
+    assert all(v is not None for v in store.get(list(stored)))
+    wire = encode_event(BlockStored(block_hashes=[next(iter(stored))], parent_block_hash=None, token_ids=[],
+                                    block_size=BS, medium=MEDIUM_STORE))
+    assert wire["medium"] == "STORAGE"
+    # A replica built without events publishes none of the store's either.
+    quiet = make(tiny_llama_dir, f"file://{tmp_path}/quiet")
+    run(quiet, prompts(seed=1))
+    assert quiet.engine.store.tier.worker.flush(10) and quiet.engine.take_kv_events() == []
+    llm.engine.store.close()
+    quiet.engine.store.close()
+
+
+def test_a_store_that_is_down_publishes_no_storage_events(tiny_llama_dir: Path, redis_server: RedisServer,
+                                                         expected: list[list[int]]) -> None:
+    llm = make(tiny_llama_dir, redis_server.url, enable_kv_events=True)
+    redis_server.kill()
+    assert [o.token_ids for o in run(llm, prompts())] == expected
+    host, stored = store_events(llm)
+    assert host and stored == {}  # the host tier has the blocks, the store took none: no router is told so
+    redis_server.start()
+    llm.engine.store.close()
+
+
 def test_refused_without_a_host_tier(tiny_llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_store"):
         make(tiny_llama_dir, f"file://{tmp_path}", num_host_blocks=0, write_through=False)
@@ -253,6 +302,7 @@ def test_writes_queued_at_exit_reach_the_store(tiny_llama_dir: Path, tmp_path: P
     seconds at most): restarted right after, it gets those blocks back."""
     script = f"""
 import random
+from kvpool.core.events import MEDIUM_STORE, BlockStored
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", skip_tokenizer_init=True, block_size={BS}, num_blocks=64,

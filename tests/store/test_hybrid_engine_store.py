@@ -14,6 +14,7 @@ import pytest
 from helpers import TINY_VOCAB, make_tiny_hybrid_gemma3, make_tiny_hybrid_lfm2
 
 from kvpool.core.block import group_key
+from kvpool.core.events import BlockStored
 from kvpool.core.request import CacheRequest
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
@@ -254,3 +255,23 @@ def test_a_landing_whose_copy_fails_is_a_miss_in_every_group(lfm2_dir: Path, tmp
     assert all(not b.ref_cnt for p in second.engine.kv.host.pools for b in p.blocks)  # type: ignore[union-attr]
     second.engine.kv.check_integrity()
     st.close()
+
+
+@pytest.mark.parametrize("model", ["gemma3", "lfm2"])
+def test_every_groups_blocks_the_store_took_are_published(model: str, tmp_path: Path,
+                                                          gemma3_dir: Path, lfm2_dir: Path) -> None:
+    path = gemma3_dir if model == "gemma3" else lfm2_dir
+    llm = make(path, model, f"file://{tmp_path}", enable_kv_events=True)
+    run(llm)
+    assert llm.engine.store.tier.worker.flush(10)
+    got: dict[str, set[tuple[int, bytes]]] = {"CPU": set(), "STORAGE": set()}
+    for e in llm.engine.take_kv_events():
+        if isinstance(e, BlockStored) and e.medium in got:
+            got[e.medium].update((e.group_id, h) for h in e.block_hashes)
+    # Each group's blocks under the raw hash a router matches, with their group: the same set the host
+    # tier published (write-through), and every one of them readable under its group's key.
+    assert got["STORAGE"] == got["CPU"]
+    assert {g for g, _ in got["STORAGE"]} == set(range(llm.engine.kv.num_groups))
+    store = llm.engine.store.tier.worker.store
+    assert all(v is not None for v in store.get([group_key(h, g) for g, h in got["STORAGE"]]))
+    llm.engine.store.close()

@@ -21,7 +21,7 @@ import torch
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.store import BlockStore, Fingerprint, open_store
 from kvpool.store.base import StoreStats
-from kvpool.store.blocks import block_nbytes
+from kvpool.store.blocks import block_nbytes, gather
 from kvpool.store.engine_store import prompt_step
 from kvpool.store.file_store import FileStore
 from kvpool.store.server import RedisServer
@@ -52,7 +52,8 @@ def write_replica(url: str, hashes: list[bytes]) -> list[tuple[torch.Tensor, tor
         hb = pool.shelter(h)
         assert hb is not None
         pairs.append((100 + i, hb.block_id))  # (device block, host block)
-    assert t.after_swaps(pairs, lambda i: pool.blocks[i].block_hash, cs) == len(hashes)
+    ids = [hb for _, hb in pairs]
+    assert t.write(list(zip([pool.blocks[i].block_hash for i in ids], gather(cs, ids), strict=True))) == len(hashes)
     assert t.worker.flush(5)
     t.close()
     return [(k[:, [hb for _, hb in pairs]], v[:, [hb for _, hb in pairs]]) for k, v in cs]

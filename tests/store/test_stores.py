@@ -213,6 +213,29 @@ def test_worker_bounds_its_write_queue_in_bytes_and_counts_only_dropped_blocks(t
     w.close()
 
 
+def test_worker_hands_back_the_tags_of_the_blocks_the_store_took_only(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    class Held(FileStore):
+        def put_many(self, items):  # type: ignore[no-untyped-def]
+            gate.wait(5)
+            super().put_many(items)
+
+    w = StoreWorker(BlockStore(Held(tmp_path), FP), max_pending_bytes=4 * 4096, max_batch=1)
+    first, more = blocks(1, salt=b"first"), blocks(5)
+    assert w.write(first, ["first"]) == 1
+    time.sleep(0.2)  # the worker takes it and waits at the gate
+    assert w.write(more, [f"m{i}" for i in range(5)]) == 3  # m3 and m4 dropped: the queue is full
+    assert w.write(first, ["again"]) == 0  # being written already: not queued, its tag neither
+    assert w.take_written() == [] and not w.has_written()
+    gate.set()
+    assert w.flush(5)
+    assert w.take_written() == ["first", "m0", "m1", "m2"] and w.take_written() == []
+    with pytest.raises(ValueError, match="tags"):
+        w.write(more, ["one"])
+    w.close()
+
+
 def test_killed_server_gives_misses_then_reconnects(redis_server: RedisServer) -> None:
     bs = BlockStore(open_store(redis_server.url), FP, retry_after_s=0.2)
     first, later = blocks(4), blocks(4, salt=b"later")
