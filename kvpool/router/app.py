@@ -49,7 +49,7 @@ from pydantic import ValidationError
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest
 from kvpool.router.admin import WATCH_POLL_S, add_admin_routes, forward_headers, while_up
-from kvpool.router.index import PrefixIndex, RoutedIndex
+from kvpool.router.index import DEFAULT_MAX_STORE_BLOCKS, PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.resume import Diverged, StreamText, resumable
 from kvpool.router.subscriber import EventSubscriber
@@ -208,7 +208,8 @@ class Router:
     def __init__(self, replicas: list[ReplicaSpec], *, tokenizer: Any = None, block_size: int = 16,
                  hash_algo: str = "sha256", hash_seed: str | None = None, beta: float = 1.0, gamma: float = 0.2,
                  routed_ttl_s: float = 300.0, pending_ttl_s: float = 3.0, recent_half_life_s: float = 2.0,
-                 health_interval_s: float = 0.5, health_timeout_s: float = 1.0, policy: str = "cache") -> None:
+                 health_interval_s: float = 0.5, health_timeout_s: float = 1.0, policy: str = "cache",
+                 max_store_blocks: int = DEFAULT_MAX_STORE_BLOCKS) -> None:
         if not replicas:
             raise ValueError("replica: give at least one --replica URL")
         if policy not in ("cache", "round-robin"):
@@ -221,7 +222,7 @@ class Router:
         self.block_size = block_size
         self.beta, self.gamma = beta, gamma
         self.policy = policy
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(max_store_blocks)
         # Replicas without events: what we sent them, for a long while. With events: the last few seconds
         # only, until the replica's own BlockStored arrives.
         self.routed = RoutedIndex(routed_ttl_s)
@@ -1043,6 +1044,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"port: must be in 0-65535, got {args.port}")
     if args.max_body_bytes < 1:
         raise ValueError(f"max_body_bytes: must be >= 1, got {args.max_body_bytes}")
+    if args.max_store_blocks < 1:
+        raise ValueError(f"max_store_blocks: must be >= 1, got {args.max_store_blocks}")
     # (NaN compares false with everything: every replica's score is NaN, and the first one takes it all.)
     if not (math.isfinite(args.load_weight) and args.load_weight >= 0):
         raise ValueError(f"load_weight: must be a finite number >= 0, got {args.load_weight}")
@@ -1055,7 +1058,8 @@ def run(args: argparse.Namespace) -> None:
     check_args(args)
     tokenizer = load_tokenizer(args.model)
     router = Router(specs, tokenizer=tokenizer, block_size=args.block_size, hash_algo=args.hash_algo,
-                    hash_seed=args.hash_seed, beta=args.load_weight, policy=args.policy)
+                    hash_seed=args.hash_seed, beta=args.load_weight, policy=args.policy,
+                    max_store_blocks=args.max_store_blocks)
     router.start()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not two lines per replica per health check
     log.info("routing to %d replicas on http://%s:%d", len(specs), args.host, args.port)

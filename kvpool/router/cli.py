@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvpool.router.index import DEFAULT_MAX_STORE_BLOCKS
 from kvpool.server.options import host_address, nonempty, port_number
 
 
@@ -20,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=float, default=1.0,
                    help="beta: how much relative load outweighs cache affinity (0: cache only)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-store-blocks", type=int, default=DEFAULT_MAX_STORE_BLOCKS,
+                   help="how many block hashes of the replicas' shared store (their STORAGE events) the router "
+                        "remembers, least recently stored forgotten first: a store evicts without telling "
+                        "(~600 bytes each)")
     p.add_argument("--api-key", default=None, type=nonempty("a key; leave the flag out to require none"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /router routes (checked here, then "
                         "forwarded to the replicas with the request)")

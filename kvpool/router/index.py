@@ -25,11 +25,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 STORE = "*store*"
+# ~600 bytes of index per hash: the store's part of the index stays under ~300 MB.
+DEFAULT_MAX_STORE_BLOCKS = 500_000
 TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 
 
 class PrefixIndex:
-    def __init__(self, max_store_blocks: int = 1_000_000) -> None:
+    def __init__(self, max_store_blocks: int = DEFAULT_MAX_STORE_BLOCKS) -> None:
         if max_store_blocks < 1:
             raise ValueError(f"max_store_blocks: must be >= 1, got {max_store_blocks}")
         self._lock = threading.Lock()
