@@ -53,6 +53,12 @@ class SchedulerStats:
 
 
 class Scheduler:
+    # Steps a request may be passed over for its LoRA adapter (max_loras) while later requests of the
+    # running adapters go ahead. Past that, no later LoRA request is admitted until it is, so the running
+    # adapters drain and one of their slots comes free: without a bound, a steady flow of requests for the
+    # running adapters would keep one more adapter waiting forever.
+    LORA_PATIENCE_STEPS = 16
+
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  enable_chunked_prefill: bool = True,
                  stop_checker: Callable[[Request], bool] = check_stop_tokens, max_loras: int = 0) -> None:
@@ -136,13 +142,19 @@ class Scheduler:
                 continue
             break  # req itself was preempted: it was the last running request
         # Admit waiting requests, unless this step had to preempt (memory is short). A request whose LoRA
-        # adapter would be one too many (max_loras) waits, in its place, for the requests after it.
+        # adapter would be one too many (max_loras) waits, in its place, for the requests after it, for
+        # LORA_PATIENCE_STEPS steps; then it holds back every LoRA request after it (base-model requests
+        # still go ahead: they take no adapter slot).
         loras = {r.lora_name for r in self.running if r.lora_name is not None} if self.max_loras else set()
         passed: list[Request] = []
+        starving = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            if req.lora_name is not None and self.max_loras and req.lora_name not in loras \
-                    and len(loras) >= self.max_loras:
+            if req.lora_name is not None and self.max_loras and (
+                    starving or (req.lora_name not in loras and len(loras) >= self.max_loras)):
+                if not starving:
+                    req.lora_waits += 1
+                    starving = req.lora_waits > self.LORA_PATIENCE_STEPS
                 passed.append(self.waiting.popleft())
                 continue
             hit, n_hit = self.kv.get_computed_blocks(req)
