@@ -181,11 +181,12 @@ class KVCacheManager:
     def _record_admission(self, request: CacheRequest, hits: KVCacheBlocks, num_hit: int) -> None:
         """The prefix cache stats of a lookup whose request was admitted (its allocation went ahead): a
         request that waits at the head of the queue is looked up again every step, and counting every
-        lookup would inflate the hit rate a user reads (vLLM too records at admission)."""
+        lookup would inflate the hit rate a user reads (vLLM too records at admission). A preempted
+        request's admission is counted apart (`PrefixCacheStats.record`)."""
         num_tokens = len(request.all_token_ids)
-        self.stats.record(num_tokens, num_hit)
-        self._interval_stats.record(num_tokens, num_hit)
-        if self.host is not None:
+        self.stats.record(num_tokens, num_hit, request.preempted)
+        self._interval_stats.record(num_tokens, num_hit, request.preempted)
+        if self.host is not None and not request.preempted:
             num_host = hits.num_host_positions() * self.block_size
             self.stats.host_hits += num_host
             self._interval_stats.host_hits += num_host
@@ -337,6 +338,7 @@ class KVCacheManager:
         else:
             rid = request.request_id
             n_out = None if preempted else request.num_output_tokens
+            request.preempted = request.preempted or preempted
         self._block_ids.pop(rid, None)
         # A learning policy may class the blocks by what the finished request generated (a short
         # answer, a tool call, is often continued by the next request; a long one less often). A

@@ -66,6 +66,8 @@ class CacheRequest:
         # Blocks of the longest prefix any layer group had cached at lookup: evidence that other requests
         # share this prefix, which hybrid managers keep for later hits even when the hit itself was cut.
         self.shared_prefix_blocks = 0
+        # Freed by preemption before (it resumes): its admissions are counted apart in the prefix stats.
+        self.preempted = False
         self.block_hashes: list[bytes] = []
         self.lora_id = lora_id
         # The adapter's content digest, hashed with its name: a name that later (another replica, a

@@ -85,6 +85,10 @@ def test_preempted_request_resumes_from_its_cached_blocks() -> None:
     # c's 2 full blocks (8 of its 11 tokens) are still cached: only the rest is recomputed.
     assert sched == [("c", 3)]
     assert c.num_computed_tokens == 11 and c.num_output_tokens == 3
+    # Its own blocks found again are no hit of the prefix cache a user reads: counted apart, as vLLM does.
+    st = kv.stats
+    assert (st.requests, st.queries, st.hits) == (2, 8 + 9, 0)
+    assert (st.preempted_requests, st.preempted_queries, st.preempted_hits) == (1, 11, 8)
 
 
 def test_the_policy_hears_what_a_finished_request_generated_and_nothing_for_a_preempted_one() -> None:
