@@ -355,6 +355,11 @@ class AsyncEngine:
                     self._done(req.request_id)
                     stream.push(e)
                     continue
+                except Exception as e:  # a fault of this request's own: it fails, the engine serves on
+                    log.exception("enqueueing request %s failed", req.request_id)
+                    self._done(req.request_id)
+                    stream.push(EngineStepError(f"the request could not be queued ({e!r}); retry"))
+                    continue
                 self._streams[req.request_id] = stream
             elif kind == "abort":
                 if self._streams.pop(item[1], None) is not None:

@@ -475,15 +475,30 @@ class LLMEngine:
 
     def enqueue(self, req: Request) -> None:
         """Hand a request made by `make_request` to the scheduler (after its store reads, if any)."""
-        if self.store is not None and self.store.is_held(req.request_id):
+        if self._in_use(req.request_id):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
-        if self.store is None or not self.store.hold(req):
-            self.scheduler.add_request(req)
         seed = req.sampling_params.seed
-        if seed is not None:
+        g = None
+        if seed is not None:  # (before the request goes anywhere: nothing to undo if this fails)
             g = torch.Generator(device=self.runner.device)
             g.manual_seed(seed)
+        if not self._held_for_store(req):
+            self.scheduler.add_request(req)
+        if g is not None:
             self._generators[req.request_id] = g
+
+    def _held_for_store(self, req: Request) -> bool:
+        """Whether the store tier holds the request for its reads. A fault in the store's code costs the
+        request its store hit, never the request: it computes its blocks."""
+        if self.store is None:
+            return False
+        try:
+            return self.store.hold(req)
+        except Exception:
+            log.exception("KV store: holding request %s for its reads failed; it computes its blocks",
+                          req.request_id)
+            self.store.drop(req.request_id)
+            return False
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its last output (finish_reason "abort"), or None if it

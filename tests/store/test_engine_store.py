@@ -201,6 +201,21 @@ def test_a_store_that_is_down_publishes_no_storage_events(tiny_llama_dir: Path, 
     llm.engine.store.close()
 
 
+def test_a_fault_in_the_stores_code_costs_the_store_hit_not_the_request(
+        tiny_llama_dir: Path, tmp_path: Path, expected: list[list[int]], caplog: pytest.LogCaptureFixture) -> None:
+    llm = make(tiny_llama_dir, f"file://{tmp_path}")
+
+    def broken(req: object) -> bool:
+        raise RuntimeError("a bug in the store tier")
+
+    llm.engine.store.hold = broken  # type: ignore[method-assign]
+    outs = run(llm, prompts())
+    assert [o.token_ids for o in outs] == expected and llm.engine.store.num_held() == 0
+    assert caplog.text.count("it computes its blocks") == 3
+    llm.engine.kv.check_integrity()
+    llm.engine.store.close()
+
+
 def test_refused_without_a_host_tier(tiny_llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_store"):
         make(tiny_llama_dir, f"file://{tmp_path}", num_host_blocks=0, write_through=False)
