@@ -16,7 +16,7 @@ import pytest
 from helpers import fail_first_step
 from server_helpers import leave_early, make_engine, metric
 
-from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, StepReport
+from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, StepReport
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.server.errors import APIError, check_api_key
 from kvpool.server.serve import ServerHandle, start_server
@@ -285,6 +285,33 @@ def test_a_request_tokenized_while_the_engine_stops_is_refused_not_left_waiting(
     assert ae.num_pending == 0 and ae.num_queued == 0
     with pytest.raises(EngineDeadError):
         ae.call_soon(lambda e: e.kv.usage)
+
+
+def test_a_request_that_cannot_be_queued_fails_alone(chat_llama_dir: Path) -> None:
+    engine = make_engine(chat_llama_dir, num_blocks=32)
+    ae = AsyncEngine(engine, max_pending=2)
+    ae.start()
+    enqueue = engine.enqueue
+
+    def broken_once(req: object) -> None:
+        engine.enqueue = enqueue  # type: ignore[method-assign]
+        raise RuntimeError("a bug in queueing")
+
+    engine.enqueue = broken_once  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        first = await ae.add_request("hello", SamplingParams.greedy(4), request_id="a")
+        with pytest.raises(EngineStepError, match="could not be queued"):
+            async for _ in first:
+                pass
+        second = await ae.add_request("hello", SamplingParams.greedy(4), request_id="b")
+        return [o async for o in second][-1].outputs[0].token_ids
+
+    try:
+        assert len(asyncio.run(asyncio.wait_for(run(), 30))) == 4  # the engine serves on
+        assert ae.error is None and ae.num_pending == 0
+    finally:
+        ae.shutdown()
 
 
 def test_shutdown_with_a_request_in_flight_frees_it(chat_llama_dir: Path) -> None:
