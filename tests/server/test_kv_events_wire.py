@@ -137,6 +137,32 @@ def test_vllm_decodes_kvpool_stream(chat_llama_dir: Path) -> None:
     assert all(e["block_size"] == BLOCK for e in events if e["type"] == "BlockStored")
 
 
+@pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
+                    reason=f"no vLLM peer venv at {VENV} (build it with ../shared/peers/vllm/setup.sh; CI may lack it)")
+def test_vllm_decodes_the_host_and_store_tiers_events(chat_llama_dir: Path, tmp_path: Path) -> None:
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    h = start_server(make_engine(chat_llama_dir, enable_kv_events=True, num_blocks=12, num_host_blocks=16,
+                                 write_through=True, kv_store=f"file://{tmp_path}"),
+                     served_model_name="tiny", kv_events_endpoint=pub_ep, kv_events_replay_endpoint=replay_ep)
+    prompt = list(range(100, 100 + 3 * BLOCK + 5))
+    try:
+        assert httpx.post(f"{h.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+        time.sleep(0.5)  # the store's writes land and the idle engine publishes them
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        proc = subprocess.run([str(VENV / "bin" / "python"), str(Path(__file__).with_name("vllm_decode_events.py")),
+                               replay_ep], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:
+        h.stop()
+    events = [e for line in proc.stdout.splitlines() for e in json.loads(line)["events"]]
+    want = [x.hex() for x in CacheRequest("ref", prompt, hasher=BlockHasher(BLOCK)).block_hashes]
+    for medium in ("GPU", "CPU", "STORAGE"):  # device, host (write-through), then the store
+        got = [x for e in events if e["type"] == "BlockStored" and e["medium"] == medium for x in e["hashes"]]
+        assert got == want, medium
+    tokens = [t for e in events if e["type"] == "BlockStored" and e["medium"] == "STORAGE" for t in e["tokens"]]
+    assert tokens == prompt[:3 * BLOCK]
+
+
 def test_a_replay_endpoint_without_an_events_endpoint_is_refused(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """It was ignored silently (no events are published to replay); now refused before the model loads, by
