@@ -82,12 +82,24 @@ def encode_extra_keys(keys: ExtraKeys) -> bytes:
     return b"".join(out)
 
 
+def check_hash_seed(seed: object) -> None:
+    """A ValueError naming `hash_seed` unless it is None, or a non-empty string or bytes: an empty seed
+    would hash exactly as no seed, which is not what a user who gave one meant."""
+    if seed is None:
+        return
+    if not isinstance(seed, str | bytes):
+        raise ValueError(f"hash_seed: must be a string, bytes or None, got {seed!r}")
+    if not seed:
+        raise ValueError("hash_seed: empty (it would hash as no seed); give a value, or leave it out for none")
+
+
 class BlockHasher:
     """Computes a request's block hashes incrementally, for full blocks only."""
 
     def __init__(self, block_size: int, algo: str = "sha256", seed: str | bytes | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        check_hash_seed(seed)
         self.block_size = block_size
         self.algo = resolve_hash_algo(algo)
         self.hash_fn = HASH_ALGOS[self.algo]

@@ -255,11 +255,10 @@ class EngineConfig:
         for name in _BOOL_OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        from kvpool.core.hashing import resolve_hash_algo
+        from kvpool.core.hashing import check_hash_seed, resolve_hash_algo
 
         resolve_hash_algo(self.hash_algo)  # (checked with caching off too: the flag was given for a reason)
-        if self.hash_seed is not None and not isinstance(self.hash_seed, str | bytes):
-            raise ValueError(f"hash_seed: must be a string, bytes or None, got {self.hash_seed!r}")
+        check_hash_seed(self.hash_seed)
         if self.kv_store and self.stage_outputs:
             # A block read from the store brings its K/V, not the stage outputs of its tokens: the prefix's
             # hidden states would come back empty.

@@ -1046,6 +1046,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"max_body_bytes: must be >= 1, got {args.max_body_bytes}")
     if args.max_store_blocks < 1:
         raise ValueError(f"max_store_blocks: must be >= 1, got {args.max_store_blocks}")
+    if args.load_weight is None:
+        args.load_weight = 1.0
+    elif args.policy == "round-robin":
+        raise ValueError("load_weight: --policy round-robin does not weigh load; leave the flag out, or route "
+                         "with --policy cache")
     # (NaN compares false with everything: every replica's score is NaN, and the first one takes it all.)
     if not (math.isfinite(args.load_weight) and args.load_weight >= 0):
         raise ValueError(f"load_weight: must be a finite number >= 0, got {args.load_weight}")

@@ -18,8 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-algo", default="sha256", choices=["sha256", "xxh3_128"], help="the replicas' --hash-algo")
     p.add_argument("--hash-seed", default=None, help="the replicas' hash seed, if they set one")
     p.add_argument("--policy", default="cache", choices=["cache", "round-robin"])
-    p.add_argument("--load-weight", type=float, default=1.0,
-                   help="beta: how much relative load outweighs cache affinity (0: cache only)")
+    p.add_argument("--load-weight", type=float, default=None,
+                   help="beta: how much relative load outweighs cache affinity (0: cache only; default 1; "
+                        "--policy cache only)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-store-blocks", type=int, default=DEFAULT_MAX_STORE_BLOCKS,
                    help="how many block hashes of the replicas' shared store (their STORAGE events) the router "

@@ -137,6 +137,9 @@ def test_the_pin_budget_is_a_flag_and_a_fraction() -> None:
     (dict(stage_outputs=0), r"^stage_outputs: must be True or False"),
     (dict(hash_seed=5), r"^hash_seed: must be a string, bytes or None, got 5"),
     (dict(hash_seed=["a"]), r"^hash_seed: must be a string, bytes or None"),
+    # An empty seed hashed exactly as none: a tenant who set one shared every other tenant's blocks.
+    (dict(hash_seed=""), r"^hash_seed: empty \(it would hash as no seed\)"),
+    (dict(hash_seed=b""), r"^hash_seed: empty"),
     # A prefix read from the store has no stage outputs: the two together gave zeros for its hidden states.
     (dict(kv_store="file:///tmp/x", stage_outputs=True), r"^kv_store: the store tier does not keep stage outputs"),
 ])

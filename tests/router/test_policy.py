@@ -215,6 +215,9 @@ def test_router_marks_a_replica_down_after_a_run_of_missed_health_checks() -> No
 @pytest.mark.parametrize("flag,value,message", [
     ("--max-body-bytes", "-5", "max_body_bytes: must be >= 1, got -5"),
     ("--max-store-blocks", "0", "max_store_blocks: must be >= 1, got 0"),
+    ("--policy round-robin --load-weight", "2",
+     "load_weight: --policy round-robin does not weigh load; leave the flag out, or route with --policy cache"),
+    ("--hash-seed", "", "hash_seed: empty (it would hash as no seed); give a value, or leave it out for none"),
     ("--load-weight", "nan", "load_weight: must be a finite number >= 0, got nan"),
     ("--load-weight", "inf", "load_weight: must be a finite number >= 0, got inf"),
     ("--load-weight", "-3", "load_weight: must be a finite number >= 0, got -3.0"),
@@ -232,7 +235,7 @@ def test_router_flags_out_of_range_are_clear_errors(flag: str, value: str, messa
 
     monkeypatch.setattr(app, "load_tokenizer", lambda model: None)  # (no download)
     monkeypatch.setattr(uvicorn, "run", refuse)
-    assert main(["router", "--replica", "http://127.0.0.1:9", flag, value]) == 2
+    assert main(["router", "--replica", "http://127.0.0.1:9", *flag.split(), value]) == 2
     assert capsys.readouterr().err == f"kvpool: error: {message}\n"
 
 
@@ -251,7 +254,9 @@ def test_the_store_bound_reaches_the_index(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(app, "create_app", capture)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
     assert main(["router", "--replica", "http://127.0.0.1:9", "--max-store-blocks", "7"]) == 0
-    assert seen[0].index.max_store_blocks == 7
+    assert seen[0].index.max_store_blocks == 7 and seen[0].beta == 1.0  # (--load-weight's default)
+    assert main(["router", "--replica", "http://127.0.0.1:9", "--load-weight", "0.5"]) == 0
+    assert seen[1].beta == 0.5
 
 
 def test_non_finite_gauges_are_not_read() -> None:
