@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.bench.report import BenchFailed
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine's flags: defined once, by the fields of kvpool.engine.config's sections."""
@@ -171,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input, a missing or unreadable file: one line, no traceback
         print(f"kvpool: error: {e}", file=sys.stderr)
         return 2
+    except BenchFailed as e:  # a benchmark that could not finish: why, in one line
+        print(f"kvpool: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

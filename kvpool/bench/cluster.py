@@ -44,7 +44,7 @@ import httpx
 
 from kvpool.bench.multiturn import arrival_order, conversations, span_flag, take_idle
 from kvpool.bench.plots import plot_path, ttft_per_turn
-from kvpool.bench.report import emit, format_table, name_list
+from kvpool.bench.report import BenchFailed, emit, format_table, name_list, percentile
 from kvpool.server.options import _positive, at_least
 
 SYSTEMS = ("round-robin", "round-robin+store", "router", "router+store", "ceiling")
@@ -120,12 +120,12 @@ class Replica:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"replica {self.url} exited at start (see {self.log.name})")
+                raise BenchFailed(f"replica {self.url} exited at start (see {self.log.name})")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
             time.sleep(0.25)
-        raise RuntimeError(f"replica {self.url} did not start in {timeout:.0f}s")
+        raise BenchFailed(f"replica {self.url} did not start in {timeout:.0f}s")
 
     def spec(self) -> Any:
         from kvpool.router.app import ReplicaSpec
@@ -135,7 +135,7 @@ class Replica:
     def reset(self) -> None:
         r = httpx.post(f"{self.url}/reset_prefix_cache", timeout=30)
         if r.status_code != 200:
-            raise RuntimeError(f"replica {self.url}: reset refused ({r.text})")
+            raise BenchFailed(f"replica {self.url}: reset refused ({r.text})")
 
     def counters(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -161,20 +161,20 @@ class Replica:
 
 async def drive(url: str, a: argparse.Namespace, system: list[int], convs: list[list[tuple]],
                 salt_each: bool = False) -> dict[str, Any]:
-    """Send every turn (interleaved, `concurrency` in flight); per request: turn, TTFT, text, usage, replica."""
+    """Send every turn (interleaved, `concurrency` in flight); per request: turn, TTFT, text, usage, replica.
+
+    A request that fails (an HTTP status other than 200, a broken connection) fails the run at once: a
+    BenchFailed naming its conversation and turn, the requests still in flight cancelled."""
     order = arrival_order(a)
     history = [list(system) for _ in convs]
     turn = [0] * len(convs)
     results: list[dict[str, Any]] = []
     busy: set[int] = set()
-    done = asyncio.Event()
-    pending = len(order)
     t0 = time.perf_counter()
 
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def one(c: int) -> None:
-            nonlocal pending
             t = turn[c]
             user, ans = convs[c][t]
             history[c] += user
@@ -185,20 +185,24 @@ async def drive(url: str, a: argparse.Namespace, system: list[int], convs: list[
             sent = time.perf_counter()
             ttft = None
             text, usage = "", None
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"conversation {c} turn {t}: HTTP {r.status_code}: {await r.aread()!r}")
-                replica = r.headers.get("x-kvpool-replica", url)
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for ch in chunk.get("choices", ()):
-                        if ttft is None:
-                            ttft = time.perf_counter() - sent
-                        text += ch.get("text", "")
+            try:
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise BenchFailed(f"conversation {c} turn {t}: HTTP {r.status_code} from {url}: "
+                                           f"{(await r.aread())[:300]!r}")
+                    replica = r.headers.get("x-kvpool-replica", url)
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                        for ch in chunk.get("choices", ()):
+                            if ttft is None:
+                                ttft = time.perf_counter() - sent
+                            text += ch.get("text", "")
+            except httpx.HTTPError as e:
+                raise BenchFailed(f"conversation {c} turn {t}: {url}: {e!r}") from e
             results.append({"conv": c, "turn": t, "ttft": ttft, "text": text, "replica": replica,
                             "prompt_tokens": usage["prompt_tokens"] if usage else len(history[c]),
                             "cached_tokens": (usage or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0),
@@ -206,25 +210,25 @@ async def drive(url: str, a: argparse.Namespace, system: list[int], convs: list[
             history[c] += ans
             turn[c] += 1
             busy.discard(c)
-            pending -= 1
-            refill()
-            if pending == 0:
-                done.set()
+            refill()  # (before this task ends: `tasks` is empty only once every turn has been sent and answered)
 
         tasks: set[asyncio.Task[None]] = set()
 
         def refill() -> None:
             for c in take_idle(order, busy, a.concurrency):
-                task = asyncio.ensure_future(one(c))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                tasks.add(asyncio.ensure_future(one(c)))
 
         refill()
-        while not done.is_set():
-            await asyncio.sleep(0.05)
-            for task in list(tasks):
-                if task.done() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+        try:
+            while tasks:
+                finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    tasks.discard(task)
+                    task.result()  # (a failed request's exception, raised here)
+        finally:  # failed: the requests still in flight are cancelled, not left running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     return {"wall_s": time.perf_counter() - t0, "results": results}
 
 
@@ -245,9 +249,9 @@ def summarize(run: dict[str, Any], reference: dict[tuple[int, int], str] | None,
     return {"requests": len(res), "wall_s": run["wall_s"], "hit_rate": cached / prompt if prompt else 0.0,
             "host_hit_rate": host_hits / prompt if prompt else 0.0,
             "store_hit_rate": store_hits / prompt if prompt else 0.0,
-            "ttft_mean_ms": 1e3 * statistics.mean(ttfts), "ttft_p99_ms": 1e3 * _p99(ttfts),
+            "ttft_mean_ms": 1e3 * statistics.mean(ttfts), "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
             "ttft_mean_ms_later_turns": 1e3 * statistics.mean(later) if later else None,
-            "ttft_p99_ms_later_turns": 1e3 * _p99(later) if later else None,
+            "ttft_p99_ms_later_turns": 1e3 * percentile(later, 99) if later else None,
             "ttft_mean_ms_by_turn": {t: 1e3 * statistics.mean(xs) for t, xs in sorted(by_turn.items())},
             "requests_per_s": len(res) / run["wall_s"],
             "output_tokens_per_s": sum(r["completion_tokens"] for r in res) / run["wall_s"],
@@ -256,9 +260,29 @@ def summarize(run: dict[str, Any], reference: dict[tuple[int, int], str] | None,
             "outputs_identical": identical, "store_bytes": 0, "store_round_trips": 0}
 
 
-def _p99(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(0.99 * len(s)))]
+# The command line's own fields, not the benchmark's configuration.
+_NOT_CONFIG = ("func", "run", "with_engine", "command", "verbose")
+
+
+def config_of(a: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark's flags as the JSON's `config` reports them."""
+    return {k: v for k, v in vars(a).items() if k not in _NOT_CONFIG}
+
+
+def check_store(url: str, names: list[str]) -> None:
+    """`--kv-store URL` is for the +store systems, and must open and answer: a ValueError naming it otherwise."""
+    from kvpool.store import StoreError, open_store
+
+    if not any(n.endswith("+store") for n in names):
+        raise ValueError("--kv-store: only the +store systems use a store, and --systems names none; add "
+                         "round-robin+store or router+store, or leave --kv-store out")
+    store = open_store(url)  # (a ValueError naming kv_store for a URL it cannot read)
+    try:
+        store.ping()
+    except StoreError as e:
+        raise ValueError(f"kv_store: cannot reach {url} ({e})") from None
+    finally:
+        store.close()
 
 
 def _store_server(a: argparse.Namespace) -> tuple[Any, str]:
@@ -356,7 +380,7 @@ def _restart_probe(a: argparse.Namespace, system: list[int], convs: list[list[tu
                     prompt = h + [rng.randrange(1000, 40000) for _ in range(16)]
                     r = await client.post(f"{rep.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
                     if r.status_code != 200:
-                        raise RuntimeError(f"restart probe: {rep.url} answered {r.status_code}: {r.text[:300]}")
+                        raise BenchFailed(f"restart probe: {rep.url} answered {r.status_code}: {r.text[:300]}")
                     u = r.json()["usage"]
                     cached += u["prompt_tokens_details"]["cached_tokens"]
                     total += u["prompt_tokens"]
@@ -382,14 +406,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
     plot_path(a.plot)
     names = name_list("systems", a.systems, SYSTEMS)
+    if a.kv_store is not None:  # (checked before any replica starts: found later, a bad store cost the run)
+        check_store(a.kv_store, names)
     model_dir = resolve_model(a.model)
     system, convs = conversations(a)
     working_set = sum(-(-(a.system_len + sum(len(u) + len(x) for u, x in c)) // 16) for c in convs) + 16
     if a.device_blocks is None:
         a.device_blocks = max(32, int(0.6 * working_set))
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-bench-cluster-"))
-    out: dict[str, Any] = {"config": {k: v for k, v in vars(a).items() if k not in ("func",)},
-                           "working_set_blocks": working_set, "systems": {}, "skipped": {}}
+    out: dict[str, Any] = {"config": config_of(a), "working_set_blocks": working_set, "systems": {}}
     plain = [n for n in names if not n.endswith("+store")]
     stored = [n for n in names if n.endswith("+store")]
     big = Replica(model_dir, a, max(2 * working_set, a.device_blocks), 0, log_dir, "ceiling")

@@ -183,8 +183,8 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
                ttft_mean_ms_later_turns=1e3 * statistics.mean(later) if later else 0.0,
                ttft_p99_ms=1e3 * percentile([x for xs in ttft.values() for x in xs], 99),
                ttft_mean_ms_by_turn={t: 1e3 * statistics.mean(xs) for t, xs in sorted(ttft.items())},
-               # What each request saw at its first admission (a preempted one is admitted again: the
-               # manager's counters, lookup_hit_rate, count it twice)
+               # What each request saw at its first admission; lookup_hit_rate is the manager's counters
+               # (vLLM's prefix_cache_queries/hits, a preempted request's admissions again counted apart)
                hit_rate=n_cached / n_prompt if n_prompt else 0.0, lookup_hit_rate=st.hit_rate,
                host_hit_rate=n_host / n_prompt if n_prompt else 0.0,
                device_blocks=kw["num_blocks"], blocks_swapped_out=eng.kv.swap_stats.blocks_out,
@@ -198,7 +198,8 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     plot_path(a.plot)
     # The systems set caching and the host tier themselves: these flags would be overridden, or would give the
     # device-only systems (the baselines) a host tier.
-    from kvpool.engine.config import parse_size
+    from kvpool.core.eviction import policy_names
+    from kvpool.engine.config import CacheConfig, parse_size
 
     if engine_kw.get("enable_prefix_caching") is False:
         raise ValueError("--no-prefix-caching: not a bench multiturn flag; run --systems no-cache")
@@ -206,8 +207,16 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
         raise ValueError("--swap-space: not a bench multiturn flag; the device+host systems take --host-blocks")
     if engine_kw.get("write_through"):
         raise ValueError("--write-through: not a bench multiturn flag; run --systems device+host-write-through")
-    # Every name is checked before the first system runs (each takes minutes).
+    kv_memory = engine_kw.get("kv_cache_memory", CacheConfig.kv_cache_memory)
+    if kv_memory != CacheConfig.kv_cache_memory:  # (every system sets its pool in blocks)
+        raise ValueError("--kv-cache-memory: not a bench multiturn flag; the systems' device pools take "
+                         "--device-blocks (the host tier's --host-blocks)")
+    # Every name (and policy) is checked before the first system runs (each takes minutes).
     names = name_list("systems", a.systems, SYSTEMS, key=lambda n: n.partition(":")[0].partition("@")[0])
+    for n in names:
+        policy = n.partition(":")[0].partition("@")[2]
+        if "@" in n.partition(":")[0] and policy not in policy_names():
+            raise ValueError(f"systems: {n!r}: unknown eviction policy {policy!r} (one of {', '.join(policy_names())})")
     systems: dict[str, dict] = {}
     outs: dict[str, list[list[int]]] = {}
     for n in names:

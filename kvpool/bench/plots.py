@@ -19,6 +19,11 @@ def plot_path(path: str | None) -> str | None:
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise ValueError(f"plot: cannot write into {str(folder)!r}")
+    if p.exists() or p.is_symlink():  # (overwritten at the end: it must be a file this user may write)
+        if not p.is_file():
+            raise ValueError(f"plot: {path!r} exists and is not a file")
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"plot: cannot overwrite {path!r}")
     return path
 
 

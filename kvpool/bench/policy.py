@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.bench.belady import belady_hit_rate
+from kvpool.bench.manager import check_host_eviction
 from kvpool.bench.plots import hit_rate_vs_pool, plot_path
 from kvpool.bench.replay import replay
 from kvpool.bench.report import emit, format_table
@@ -77,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hash-algo", default="sha256")
     p.add_argument("--host-blocks", type=int, default=0, help="a host tier of this many blocks behind the pool")
-    p.add_argument("--host-eviction", default="lru", help="the host tier's policy (lru, arc or any of --policies)")
+    p.add_argument("--host-eviction", default="lru",
+                   help="the host tier's policy (lru, arc or any of --policies; needs --host-blocks)")
     p.add_argument("--no-belady", action="store_true", help="skip the offline-optimal simulation")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="hit rate vs pool size, one line per policy")
@@ -108,6 +110,7 @@ def run(a: argparse.Namespace) -> dict:
         raise ValueError(f"num_blocks: every pool size must be >= 2, got {a.num_blocks}")
     if a.host_blocks < 0:
         raise ValueError(f"host_blocks: must be >= 0, got {a.host_blocks}")
+    check_host_eviction(a)
     if a.block_size < 1:
         raise ValueError(f"block_size: must be >= 1, got {a.block_size}")
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]

@@ -69,8 +69,6 @@ class KVPoolSession:
         from kvpool.engine.sampling_params import SamplingParams
 
         self.prompts, self.loras = prompts, loras
-        if engine_kw.get("enable_prefix_caching") is False:  # (it would be overridden here, silently)
-            raise ValueError("--no-prefix-caching: not a bench prefix flag; run --systems kvpool-no-cache")
         kw = {**engine_kw, "enable_prefix_caching": caching}
         if not caching:  # (the tiers below the device keep cached blocks: none without caching)
             kw = {k: v for k, v in kw.items()
@@ -101,8 +99,8 @@ class KVPoolSession:
         # From each request's own arrival to its first token, as vLLM's harness counts it.
         ttfts = [o.metrics.ttft for o in outs if o.metrics and o.metrics.ttft is not None]
         # The hit rate a request sees (what its TTFT depends on): prompt tokens it did not compute at its
-        # first admission. The manager's counters (vLLM's prefix_cache_queries/hits) count every admission,
-        # also a preempted request's again: kept as lookup_hit_rate.
+        # first admission. The manager's counters (vLLM's prefix_cache_queries/hits, a preempted request's
+        # admissions again counted apart) give the same: kept as lookup_hit_rate, a check.
         n_prompt = sum(map(len, prompts))
         summary = _summary(wall, ttfts, sum(len(o.token_ids) for o in outs), n_prompt,
                            sum(o.num_cached_tokens for o in outs) / n_prompt)
@@ -220,8 +218,27 @@ def _kvpool_session(name: str, a: argparse.Namespace, prompts: list[list[int]], 
     return KVPoolSession(prompts, a.output_len, name != "kvpool-no-cache", engine_kw, warmup=warm)
 
 
+def check_engine_flags(engine_kw: dict[str, Any]) -> None:
+    """Refuse the engine flags that the systems set themselves: given, they would be overridden silently (or,
+    for the allocator, turn the hybrid-vs-full-attention comparison into uniform vs uniform)."""
+    from kvpool.engine.config import RunnerConfig
+
+    if engine_kw.get("enable_prefix_caching") is False:
+        raise ValueError("--no-prefix-caching: not a bench prefix flag; run --systems kvpool-no-cache")
+    if engine_kw.get("hybrid_allocator") is False:
+        raise ValueError("--no-hybrid-allocator: not a bench prefix flag; run --systems kvpool,kvpool-full-attention "
+                         "(kvpool-full-attention keeps every layer as full attention, beside kvpool's hybrid "
+                         "allocator)")
+    defaults = RunnerConfig.__dataclass_fields__
+    for field, flag, instead in (("max_loras", "--max-loras", "--lora (how many adapters)"),
+                                 ("max_lora_rank", "--max-lora-rank", "--lora-rank")):
+        if field in engine_kw and engine_kw[field] != defaults[field].default:
+            raise ValueError(f"{flag}: not a bench prefix flag; the kvpool-lora system sets it from {instead}")
+
+
 def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     wanted = name_list("systems", a.systems, (*KVPOOL_SYSTEMS, "transformers"))
+    check_engine_flags(engine_kw)  # (before any engine is built)
     prompts = generated_shared_prefix(a.groups, a.system_len, a.questions, a.question_len, seed=a.seed,
                                       shared=not a.unique)
     if a.workload_out:

@@ -43,6 +43,7 @@ class ReplayResult:
     waited: int = 0  # requests whose prompt did not fit at first: admitted once others finished
     preempted: int = 0  # decode steps that did not fit: requests preempted to make room
     skipped: int = 0  # requests that did not fit the empty pool (not in the hit rate)
+    skipped_indices: list[int] = field(default_factory=list)  # which (indices into the trace)
 
     @property
     def hit_rate(self) -> float:
@@ -81,6 +82,7 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
     t = dict.fromkeys(OPS, 0.0)
     pc = time.perf_counter
     hit = prompt = host_hit = waited = preempted = skipped = 0
+    skipped_indices: list[int] = []
     counted: dict[int, tuple[int, int, int]] = {}  # trace index -> (prompt, hit, host hit) tokens counted
     last_waiting = -1
     gc.collect()
@@ -122,6 +124,7 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
                 resume.popleft()
             if not ok:
                 skipped += 1  # does not fit the pool even alone
+                skipped_indices.append(idx)
                 continue
             req.num_computed_tokens = n
             if first:
@@ -148,6 +151,7 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
                         else:  # alone in the pool and still no room: it never fits
                             manager.free(req)
                             skipped += 1
+                            skipped_indices.append(st[3])
                             n, n_hit, n_host = counted.pop(st[3], (0, 0, 0))
                             prompt, hit, host_hit = prompt - n, hit - n_hit, host_hit - n_host
                         continue
@@ -170,4 +174,4 @@ def replay(trace: list[TraceRequest], manager: KVCacheManager, hasher: BlockHash
     if n_trace and skipped == n_trace:
         raise PoolTooSmall(f"no request of the trace fits a pool of {manager.block_pool.num_usable_blocks} blocks")
     return ReplayResult(wall_s=wall, hit_tokens=hit, prompt_tokens=prompt, times=t, host_hit_tokens=host_hit,
-                        waited=waited, preempted=preempted, skipped=skipped)
+                        waited=waited, preempted=preempted, skipped=skipped, skipped_indices=skipped_indices)

@@ -6,6 +6,11 @@ import json
 from collections.abc import Callable, Sequence
 
 
+class BenchFailed(RuntimeError):
+    """A benchmark run that could not finish (a replica did not start, a request failed): the CLI prints the
+    message in one line and exits 1, as it does for bad input with 2."""
+
+
 def name_list(flag: str, text: str, known: Sequence[str], key: Callable[[str], str] = str) -> list[str]:
     """The names a comma-separated flag gives (`flag`: its field name, for the message). A ValueError naming the
     flag when it gives none or one whose `key` is not in `known`, so a bad list stops the command before any

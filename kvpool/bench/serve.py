@@ -109,9 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g.add_argument("--save-result", action="store_true", help="also write the JSON result to a file")
-    g.add_argument("--result-dir", default=".")
+    g.add_argument("--result-dir", default=None, help="with --save-result: the folder (default: the current one)")
     g.add_argument("--result-filename", default=None,
-                   help="default: kvpool-bench-serve-DATASET-RATEqps-YYYYmmdd-HHMMSS.json")
+                   help="with --save-result: the file's name (default: "
+                        "kvpool-bench-serve-DATASET-RATEqps-YYYYmmdd-HHMMSS.json)")
 
 
 def base_url_of(a: argparse.Namespace) -> str:
@@ -480,10 +481,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # httpx logs every request at INFO, which would bury the table.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _need(a.endpoint.startswith("/"), "endpoint", f"must start with '/', got {a.endpoint!r}")
+    for flag in ("result_dir", "result_filename"):  # (without --save-result nothing is written: refused, not ignored)
+        _need(a.save_result or getattr(a, flag) is None, flag, "only read with --save-result, which is not given")
+    shown = a.result_dir or "."
+    result_dir = Path(shown)
     if a.save_result:  # checked now: found after the load test, the result would be lost with the error
-        result_dir = Path(a.result_dir)
-        _need(result_dir.is_dir(), "result_dir", f"{a.result_dir!r} is not a directory")
-        _need(os.access(result_dir, os.W_OK | os.X_OK), "result_dir", f"{a.result_dir!r} is not writable")
+        _need(result_dir.is_dir(), "result_dir", f"{shown!r} is not a directory")
+        _need(os.access(result_dir, os.W_OK | os.X_OK), "result_dir", f"{shown!r} is not writable")
     reqs = build_requests(a)
     endpoint = a.endpoint
     if a.dataset_name == "images" and endpoint == "/v1/completions":
@@ -503,7 +507,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         print(f"kvpool bench serve: {e['count']} failed: {e['message']}", file=sys.stderr)
     if a.save_result:
         name = a.result_filename or f"kvpool-bench-serve-{a.dataset_name}-{a.request_rate}qps-{res['date']}.json"
-        path = Path(a.result_dir) / name
+        path = result_dir / name
         path.write_text(json.dumps(res, indent=2) + "\n")
         print(f"kvpool bench serve: result written to {path}", file=sys.stderr)
     emit(render(res), res, a.json)

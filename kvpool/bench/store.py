@@ -76,6 +76,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     names = name_list("backends", a.backends, BACKENDS)
     if a.redis_url is not None and "redis" not in names:
         raise ValueError("redis_url: only the redis backend reads it; add redis to --backends")
+    if a.dir is not None and "file" not in names:
+        raise ValueError("dir: only the file backend reads it; add file to --backends")
     out: dict[str, Any] = {"backends": {}}
     server = None
     try:

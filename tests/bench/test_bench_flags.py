@@ -4,11 +4,14 @@ a result folder that cannot be written. Each refusal names the flag, with no tra
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvpool.bench import multiturn
+from kvpool.bench import multiturn, prefix
+from kvpool.bench.plots import plot_path
 from kvpool.bench.report import format_table
 from kvpool.cli import build_parser, main
 
@@ -41,6 +44,19 @@ from kvpool.cli import build_parser, main
     (["bench", "serve", "--model", "m", "--dataset-path", "/nonexistent", "--num-prompts", "1"],
      "dataset_path: only the trace dataset reads a file; --dataset-name random would ignore it"),
     (["bench", "memory", "--contexts", ""], "contexts: comma-separated integers expected, got ''"),
+    # A flag the command would ignore, as given: refused, not ignored.
+    (["bench", "manager", "--requests", "20", "--repeats", "1", "--no-belady", "--host-eviction", "arc"],
+     "host_eviction: 'arc' orders the host tier, and there is none (set --host-blocks)"),
+    (["bench", "policy", "--trace", "shared-prefix", "--num-blocks", "64", "--policies", "lru", "--no-belady",
+      "--host-eviction", "arc"], "host_eviction: 'arc' orders the host tier, and there is none (set --host-blocks)"),
+    (["bench", "manager", "--workload", "multi-turn", "--requests", "50", "--repeats", "1", "--no-belady"],
+     "requests: the size of the shared-prefix workload; --workload multi-turn has its own"),
+    (["bench", "store", "--backends", "redis", "--redis-url", "redis://127.0.0.1:9", "--blocks", "2", "--dir", "/tmp"],
+     "dir: only the file backend reads it; add file to --backends"),
+    (["bench", "serve", "--model", "m", "--port", "9", "--num-prompts", "1", "--result-filename", "r.json"],
+     "result_filename: only read with --save-result, which is not given"),
+    (["bench", "serve", "--model", "m", "--port", "9", "--num-prompts", "1", "--result-dir", "/tmp"],
+     "result_dir: only read with --save-result, which is not given"),
 ])
 def test_an_empty_or_unknown_list_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
                                              ) -> None:
@@ -55,6 +71,103 @@ def test_multiturn_checks_every_system_before_running_one(monkeypatch: pytest.Mo
     assert main(["bench", "multiturn", "--systems", "device,bogus:bfloat16"]) == 2
     assert "kvpool: error: systems: unknown 'bogus:bfloat16'" in capsys.readouterr().err
     assert ran == []  # the `device` system did not run first
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--workload"])
+def test_manager_refuses_the_generator_flags_with_a_trace(flag: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "prompt": [1, 2, 3, 4, 5], "decode": [6]}\n')
+    value = "5" if flag == "--requests" else "shared-prefix"
+    assert main(["bench", "manager", "--trace", str(trace), flag, value, "--repeats", "1", "--no-belady"]) == 2
+    assert f"kvpool: error: {flag[2:]}: only read when generating a trace" in capsys.readouterr().err
+
+
+def _no_engine(*_: Any, **__: Any) -> None:
+    raise AssertionError("an engine was built")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    # (with it, kvpool vs kvpool-full-attention compared the uniform allocator with itself, labelled hybrid)
+    (["--no-hybrid-allocator"], "--no-hybrid-allocator: not a bench prefix flag; run --systems "
+                                "kvpool,kvpool-full-attention"),
+    # (kvpool-lora set both from --lora and --lora-rank, over what was given)
+    (["--max-loras", "3"], "--max-loras: not a bench prefix flag; the kvpool-lora system sets it from --lora"),
+    (["--max-lora-rank", "8"], "--max-lora-rank: not a bench prefix flag; the kvpool-lora system sets it from "
+                               "--lora-rank"),
+])
+def test_prefix_refuses_the_engine_flags_its_systems_set(flags: list[str], message: str,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(prefix, "KVPoolSession", _no_engine)
+    monkeypatch.setattr(prefix, "run_transformers", _no_engine)
+    assert main(["bench", "prefix", "--systems", "kvpool,kvpool-full-attention,kvpool-lora", *flags]) == 2
+    assert f"kvpool: error: {message}" in capsys.readouterr().err
+
+
+def test_prefix_takes_the_lora_flags_at_their_defaults() -> None:
+    prefix.check_engine_flags({"max_loras": 1, "max_lora_rank": 16, "hybrid_allocator": True,
+                               "enable_prefix_caching": True})
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--kv-cache-memory", "64MiB"], "--kv-cache-memory: not a bench multiturn flag; the systems' device pools "
+                                     "take --device-blocks"),
+    # (the two valid systems ran, minutes each, before the bad policy was found)
+    (["--systems", "device,unlimited,device@nosuchpolicy"], "systems: 'device@nosuchpolicy': unknown eviction "
+                                                            "policy 'nosuchpolicy'"),
+    (["--systems", "device,device@nosuchpolicy:bfloat16"], "systems: 'device@nosuchpolicy:bfloat16': unknown "
+                                                           "eviction policy 'nosuchpolicy'"),
+])
+def test_multiturn_refuses_before_the_first_system_runs(flags: list[str], message: str,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    ran: list[str] = []
+    monkeypatch.setattr(multiturn, "run_system", lambda n, *_: ran.append(n) or ({}, []))
+    with contextlib.suppress(KeyError):  # (the fake systems report nothing: a run that goes on fails at the table)
+        assert main(["bench", "multiturn", *flags]) == 2
+    assert ran == []
+    assert f"kvpool: error: {message}" in capsys.readouterr().err
+
+
+class Ran(Exception):
+    pass
+
+
+def test_a_multiturn_policy_system_passes_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    def first(name: str, *_: Any) -> None:
+        raise Ran(name)
+
+    monkeypatch.setattr(multiturn, "run_system", first)
+    with pytest.raises(Ran, match=r"^device@lru$"):
+        main(["bench", "multiturn", "--systems", "device@lru,device@reuse:bfloat16"])
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "policy", "--trace", "shared-prefix", "--num-blocks", "64", "--policies", "lru", "--no-belady"],
+    ["bench", "multiturn"],
+    ["bench", "cluster"],
+])
+def test_a_plot_path_that_is_a_directory_is_refused_before_the_run(command: list[str], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """It failed only once the picture was drawn, after the whole run, and the table and JSON were lost."""
+    from kvpool.bench import cluster, policy
+
+    folder = tmp_path / "out.png"
+    folder.mkdir()
+    monkeypatch.setattr(policy, "replay", _no_engine)
+    monkeypatch.setattr(multiturn, "run_system", _no_engine)
+    monkeypatch.setattr(cluster, "Replica", _no_engine)
+    assert main([*command, "--plot", str(folder)]) == 2
+    assert f"kvpool: error: plot: {str(folder)!r} exists and is not a file" in capsys.readouterr().err
+
+
+def test_plot_path_takes_a_new_or_existing_file(tmp_path: Path) -> None:
+    assert plot_path(str(tmp_path / "a.png")) == str(tmp_path / "a.png")
+    (tmp_path / "b.png").write_bytes(b"")
+    assert plot_path(str(tmp_path / "b.png")) == str(tmp_path / "b.png")
+    assert plot_path(None) is None
 
 
 @pytest.mark.parametrize(("argv", "flag"), [

@@ -105,6 +105,35 @@ def test_requests_per_second_counts_the_requests_replayed_not_the_skipped(tmp_pa
     assert res["requests_per_s"] * res["wall_s"] == pytest.approx(3)
 
 
+def test_the_table_and_the_json_count_the_replayed_requests_and_their_blocks(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """One computation for both: the table's requests/s counted the skipped request, and blocks/s (both)
+    counted its blocks. big: 11 blocks of 4, skipped; r0..r2: 3 blocks each, replayed."""
+    from kvpool.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, [dict(id="big", prompt=list(range(40)), decode=[1]),
+                        *(dict(id=f"r{i}", prompt=list(range(100, 110)), decode=[i]) for i in range(3))])
+    assert main(["bench", "manager", "--trace", str(trace), "--num-blocks", "9", "--block-size", "4",
+                 "--concurrency", "1", "--repeats", "1", "--no-belady", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert res["skipped"] == 1
+    assert res["requests_per_s"] * res["wall_s"] == pytest.approx(3)
+    assert res["blocks_per_s"] * res["wall_s"] == pytest.approx(9)
+    table = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in lines[2:-1])
+    assert table["requests/s"] == f"{res['requests_per_s']:,.0f}"
+    assert table["blocks/s"] == f"{res['blocks_per_s']:,.0f}"
+
+
+def test_the_replay_names_the_skipped_requests() -> None:
+    trace = [dict(id="a", prompt=list(range(10)), decode=[1]),
+             dict(id="big", prompt=list(range(40)), decode=[1]),  # does not fit the empty pool
+             dict(id="long", prompt=list(range(10)), decode=list(range(30)))]  # its answer never fits
+    r = replay(trace, KVCacheManager(9, 4), BlockHasher(4), concurrency=1)  # type: ignore[arg-type]
+    assert sorted(r.skipped_indices) == [1, 2] and r.skipped == 2
+
+
 def test_a_request_skipped_mid_answer_takes_its_prompt_out_of_the_hit_rate() -> None:
     """Its prompt fits (and was looked up), its answer never does: skipped, it is not in the hit rate."""
     trace = [dict(id="a", prompt=list(range(10)), decode=[1]),
