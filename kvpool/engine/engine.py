@@ -353,6 +353,24 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return [] if self.loras is None else list(self.loras.requests.values())
 
+    def remove_lora(self, lora: int | str) -> bool:
+        """Unload an adapter (by its int id or its name), freeing its weights and its slot; False if no
+        such adapter is loaded. Refused (ValueError) while requests of it are queued, running or held: they
+        would lose their weights mid-flight. Its cached KV blocks stay, keyed by its name and files: added
+        again from the same files, it hits them again."""
+        if self.loras is None:
+            return False
+        name = self.loras.name_of(lora)
+        if name is None:
+            return False
+        held = self.store.held_requests() if self.store is not None else []
+        live = sum(r.lora_name == name for r in (*self.scheduler.requests.values(), *held))
+        if live:
+            raise ValueError(f"lora_request: adapter {name!r} has {live} requests in flight; remove it once they "
+                             f"have finished (or abort them)")
+        self.loras.remove(name)
+        return True
+
     # -- requests --------------------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
@@ -477,6 +495,9 @@ class LLMEngine:
         """Hand a request made by `make_request` to the scheduler (after its store reads, if any)."""
         if self._in_use(req.request_id):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        if req.lora_name is not None and self.loras is not None and self.loras.name_of(req.lora_name) is None:
+            # (made on another thread while the adapter was removed on this one: its weights are gone)
+            raise ValueError(f"lora_request: adapter {req.lora_name!r} was removed; add it again")
         seed = req.sampling_params.seed
         g = None
         if seed is not None:  # (before the request goes anywhere: nothing to undo if this fails)

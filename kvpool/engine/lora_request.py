@@ -130,6 +130,20 @@ class LoRARegistry:
                                      f"{other.lora_name!r}")
         return False
 
+    def name_of(self, lora: int | str) -> str | None:
+        """The name of the registered adapter with this name or int id; None if there is none."""
+        with self._lock:
+            if isinstance(lora, str):
+                return lora if lora in self.requests else None
+            return next((n for n, r in self.requests.items() if r.lora_int_id == lora), None)
+
+    def remove(self, name: str) -> None:
+        """Forget a registered adapter, its weights and its slot (the engine checked that no request uses it)."""
+        with self._adding, self._lock:
+            self.requests.pop(name, None)
+            self.digests.pop(name, None)
+            self.manager.unload(name)
+
     def content_digest(self, name: str) -> str:
         """The digest of a registered adapter's files (hashed into its blocks with its name)."""
         return self.digests[name]

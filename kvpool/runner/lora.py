@@ -353,6 +353,13 @@ class LoRAManager:
             if name not in self.slots:
                 self.adapters.pop(name, None)
 
+    def unload(self, name: str) -> None:
+        """Drop an adapter's weights and empty its slot (no step may need it: the engine checked)."""
+        with self._lock:
+            self.adapters.pop(name, None)
+            if name in self.slots:
+                self.slots[self.slots.index(name)] = None
+
     @staticmethod
     def _same_folder(have: LoRAAdapter, path: str) -> LoRAAdapter:
         if Path(have.path).resolve() != Path(path).resolve():

@@ -138,6 +138,9 @@ class EngineStore:
     def held_ids(self) -> list[str]:
         return list(self._held)
 
+    def held_requests(self) -> list[Any]:
+        return list(self._held.values())
+
     def hold(self, req: Any) -> bool:
         """Start reading the request's blocks past its local hit; True when it must wait for them."""
         if not self.kv.enable_caching or not req.block_hashes:

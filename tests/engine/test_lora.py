@@ -107,6 +107,39 @@ def test_max_loras_limits_the_adapters_running_together(tiny_llama_dir: Path, ad
     assert llm.engine.runner.lora is not None and llm.engine.runner.lora.num_slot_loads >= 2
 
 
+def test_an_adapter_removed_frees_its_weights_and_slot_and_comes_back_to_its_blocks(
+        tiny_llama_dir: Path, adapters: dict[str, Path], expected: dict[str | None, list[list[int]]]) -> None:
+    llm = tiny_llm(tiny_llama_dir, max_loras=1)
+    eng = llm.engine
+    loras = requests(adapters)
+    sp = SamplingParams.greedy(N_OUT)
+    assert [o.token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=loras["attn"])] == \
+        expected["attn"]
+    manager = eng.runner.lora
+    assert manager is not None and "attn" in manager.adapters and manager.slots == ["attn"]
+    # In flight: refused, and nothing changes.
+    req = eng.add_request(PROMPTS[0], sp, lora_request=loras["attn"])
+    with pytest.raises(ValueError, match=r"^lora_request: adapter 'attn' has 1 requests in flight"):
+        eng.remove_lora("attn")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert req.output_token_ids == expected["attn"][0]
+    # By int id (vLLM's form) or by name: gone from the registry, the weights and the slot.
+    assert eng.remove_lora(loras["attn"].lora_int_id) is True
+    assert eng.list_loras() == [] and "attn" not in manager.adapters and manager.slots == [None]
+    assert eng.remove_lora("attn") is False and eng.remove_lora(99) is False
+    # A request made for it before it went, queued after: refused, not run without its weights.
+    made = eng.make_request(PROMPTS[1], sp, lora_request=loras["all"])
+    eng.remove_lora("all")
+    with pytest.raises(ValueError, match=r"^lora_request: adapter 'all' was removed; add it again"):
+        eng.enqueue(made)
+    # Added again from the same files: the same tokens, and its cached blocks are hits again.
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=loras["attn"])
+    assert [o.token_ids for o in outs] == expected["attn"]
+    assert all(o.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK for o, p in zip(outs, PROMPTS, strict=True))
+    assert eng.kv.usage == 0
+
+
 def test_blocks_shared_within_an_adapter_never_across(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
     llm = tiny_llm(tiny_llama_dir)
     loras = requests(adapters)
