@@ -91,6 +91,8 @@ def test_refuses_bad_input(op) -> None:
         op(q.half(), kc.half(), vc.half(), tables, lo, ln, 1.0, torch.empty_like(q.half()))
     with pytest.raises(RuntimeError, match="heads / kv_heads"):
         op(q[:, :3].contiguous(), kc, vc, tables, lo, ln, 1.0, torch.empty_like(q[:, :3]))
+    with pytest.raises(RuntimeError, match="heads / kv_heads"):  # no kv head: a division by zero before
+        op(q, kc[:0], vc[:0], tables, lo, ln, 1.0, torch.empty_like(q))
 
 
 @pytest.mark.parametrize(("dim", "bs", "group"), [(64, 16, 3), (128, 32, 4), (40, 8, 2)])

@@ -60,6 +60,19 @@ def test_silu_and_mul(ops, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_of_gates_below_exps_range_is_zero_as_torchs(ops, dtype) -> None:
+    # exp(x) stops at -87 (fp32's normal range): silu(-1e38) came out -1.65, silu(-inf) -inf.
+    gate = torch.tensor([-1e38, -1e36, -1e4, -90.0, -88.0, -87.0, -86.0, 3e38, -float("inf")]).to(dtype)
+    gate_up = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)
+    got = ops.silu_and_mul(gate_up, gate_up.new_empty(1, len(gate)))[0]
+    want = F.silu(gate)
+    assert torch.isnan(got[-1]) and torch.isnan(want[-1])
+    # (at -88 torch gives a denormal, -5e-37, where the kernel's exp stops: 0 here, 5e-37 off)
+    assert torch.allclose(got[:-1].double(), want[:-1].double(), rtol=2 ** -7, atol=1e-36)
+    assert (got[:4] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_is_bit_exact(ops, dtype) -> None:
     g = torch.Generator().manual_seed(2)
     rot = Rotary(64, 10000.0, 4096)
@@ -83,6 +96,14 @@ def test_refuses_bad_input(ops) -> None:
         ops.silu_and_mul(x, torch.empty(4, 2, 32))
     with pytest.raises(RuntimeError, match="twice as wide"):
         ops.silu_and_mul(x, torch.empty(4, 2, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="twice as wide"):  # as many values, other rows
+        ops.silu_and_mul(x.view(8, 64), torch.empty(2, 2, 32, dtype=torch.bfloat16))
+    # Empty widths: an integer division by zero killed the process.
+    with pytest.raises(RuntimeError, match="weight must not be empty"):
+        ops.rms_norm(x[..., :0].contiguous(), torch.ones(0, dtype=torch.bfloat16), 1e-5,
+                     torch.empty(4, 2, 0, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"out must be \(..., n\) with n >= 1"):
+        ops.silu_and_mul(x[..., :0].contiguous(), torch.empty(4, 2, 0, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -71,6 +71,8 @@ def test_a_mismatched_input_is_refused() -> None:
         torch.ops.kvpool.linear_bf16(torch.ones(3, 12, dtype=torch.bfloat16), packed, None, 8)
     with pytest.raises(RuntimeError, match="n = 17 does not match"):
         torch.ops.kvpool.linear_bf16(torch.ones(3, 10, dtype=torch.bfloat16), packed, None, 17)
+    with pytest.raises(RuntimeError, match="x has 0 features"):  # a division by zero before
+        torch.ops.kvpool.linear_bf16(torch.ones(3, 0, dtype=torch.bfloat16), packed, None, 8)
     with pytest.raises(RuntimeError, match="bias must have 8 elements"):
         torch.ops.kvpool.linear_bf16(torch.ones(3, 10, dtype=torch.bfloat16), packed,
                                      torch.ones(9, dtype=torch.bfloat16), 8)

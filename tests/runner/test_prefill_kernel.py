@@ -145,6 +145,7 @@ def test_fp32_refuses_what_it_cannot_run() -> None:
         pytest.skip("this CPU has no AVX2 and FMA: the fp32 prefill kernel is not used here")
     op = kernels.paged_prefill_attention()
     q, kc, vc, _, _, (starts, lens, ctx), tables = scenario([(10, 30)], dtype=torch.float32)
+    assert not kernels.prefill_supported(64, 512, torch.float32)  # (the op refuses blocks over 256)
     with pytest.raises(RuntimeError, match="block_size a multiple of 8"):
         small = kc.view(kc.shape[0], -1, 4, kc.shape[-1])
         op(q, small, small, starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
@@ -174,8 +175,15 @@ def test_refuses_bad_input(op) -> None:
         op(q.half(), kc.half(), vc.half(), starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q.half()))
     with pytest.raises(RuntimeError, match="block id 99 is outside the cache's"):
         op(q, kc, vc, starts, lens, ctx, torch.tensor([[int(tables[0, 0]), 99]]), 0, 1.0, torch.empty_like(q))
-    with pytest.raises(RuntimeError, match=r"rows \[5, 15\) are not in q's 10 rows"):
+    with pytest.raises(RuntimeError, match=r"10 rows from row 5 are not in q's 10 rows"):
         op(q, kc, vc, torch.tensor([5]), lens, ctx, tables, 0, 1.0, torch.empty_like(q))
+    # A start near 2^63 wrapped the sum past the check, and the kernel wrote far outside q.
+    with pytest.raises(RuntimeError, match=r"10 rows from row 9223372036854775806 are not in q's 10 rows"):
+        op(q, kc, vc, torch.tensor([2**63 - 2]), lens, ctx, tables, 0, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match=r"window must be >= 0 \(0: none\), got -5"):
+        op(q, kc, vc, starts, lens, ctx, tables, -5, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="heads / kv_heads"):  # no kv head: a division by zero before
+        op(q, kc[:0], vc[:0], starts, lens, ctx, tables, 0, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="10 queries and 40 keys do not fit its 2 blocks"):
         op(q, kc, vc, starts, lens, torch.tensor([40]), tables, 0, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="block_size a multiple of 16"):
@@ -249,6 +257,10 @@ def test_grouped_decode_refuses_groups_that_share_nothing(op) -> None:
     with pytest.raises(RuntimeError, match="group_starts must run from 0 to B"):
         torch.ops.kvpool.paged_decode_grouped(q, kc, vc, rows, tables, lens, torch.tensor([0, 1]), torch.tensor([0]),
                                               1.0, torch.empty_like(q))
+    # A middle start past B was used as an index into lens and tables before any check.
+    with pytest.raises(RuntimeError, match="group_starts must increase: group 1 is empty"):
+        torch.ops.kvpool.paged_decode_grouped(q, kc, vc, rows, tables, lens, torch.tensor([0, 9, 2]),
+                                              torch.tensor([0, 0]), 1.0, torch.empty_like(q))
 
 
 def test_write_kv_matches_index_copy() -> None:

@@ -354,7 +354,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   KV_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
   KV_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
-  KV_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "heads / kv_heads must be a whole number <= ",
+  KV_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "heads / kv_heads must be a whole number <= ",
               kMaxGroup);
   KV_CHECK(dim <= kMaxDim && k_cache.size(2) <= kMaxBlock, "head_dim <= ", kMaxDim, " and block_size <= ",
               kMaxBlock, " only");

@@ -87,6 +87,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, a
   check_same(weight, x, "weight");
   check_same(out, x, "out");
   const int64_t h = weight.numel();
+  KV_CHECK(h >= 1, "weight must not be empty");
   KV_CHECK(x.dim() >= 1 && x.size(-1) == h && out.sizes() == x.sizes(), "x and out must be (..., ", h, ")");
   if (x.scalar_type() == at::kFloat) {
     rms_norm_rows<float>(x, weight, static_cast<float>(eps), out);
@@ -115,7 +116,10 @@ void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
           const __m512 x = load16(g + i, m);
           const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // exp(-|x|)
           const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
-          const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv);
+          // Below -87 exp(x) is under fp32's normal range, where exp_nonpositive stops: sigmoid(x) is 0 there
+          // (else silu(-1e38) would be -1.65; with 0, silu(-inf) is NaN, as F.silu gives).
+          const __m512 sig = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ),
+              _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv));
           store16(op + r * n + i, _mm512_mul_ps(round16(_mm512_mul_ps(x, sig)), load16(u + i, m)), m);
         }
         continue;
@@ -124,7 +128,7 @@ void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       for (int64_t i = 0; i < n; ++i) {
         const float x = to_float(g[i]);
         const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|) never overflows
-        const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : x >= -87.0f ? e / (1.0f + e) : 0.0f;  // (as above)
         op[r * n + i] = static_cast<T>(round_to<T>(x * sig) * to_float(u[i]));
       }
     }
@@ -134,8 +138,10 @@ void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
 at::Tensor silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
   check_float_or_bf16(gate_up, "gate_up");
   check_same(out, gate_up, "out");
+  KV_CHECK(out.dim() >= 1 && out.size(-1) >= 1, "out must be (..., n) with n >= 1");
   const int64_t n = out.size(-1);
-  KV_CHECK(gate_up.size(-1) == 2 * n && gate_up.numel() == 2 * out.numel(), "gate_up must be out's rows, twice as wide");
+  KV_CHECK(gate_up.dim() == out.dim() && gate_up.sizes().slice(0, out.dim() - 1) == out.sizes().slice(0, out.dim() - 1) &&
+               gate_up.size(-1) == 2 * n, "gate_up must be out's rows, twice as wide");
   if (gate_up.scalar_type() == at::kFloat) {
     silu_and_mul_rows<float>(gate_up, out);
   } else {

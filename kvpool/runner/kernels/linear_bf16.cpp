@@ -138,7 +138,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const std:
                packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 2 && packed.is_contiguous(),
            "x must be bfloat16 and packed a pack_linear_bf16 weight");
   const int64_t k = x.size(-1), pairs = packed.size(1);
-  KV_CHECK(pairs == (k + 1) / 2, "x has ", k, " features, the packed weight ", pairs, " pairs of them");
+  KV_CHECK(k >= 1 && pairs == (k + 1) / 2, "x has ", k, " features, the packed weight ", pairs, " pairs of them");
   KV_CHECK(n > 0 && (n + kGroup - 1) / kGroup == packed.size(0), "n = ", n, " does not match the packed weight's ",
            packed.size(0), " column groups");
   at::Tensor bias_f;

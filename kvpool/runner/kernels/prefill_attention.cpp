@@ -510,7 +510,8 @@ void check_paged_layout(const at::Tensor& q, const at::Tensor& out, const at::Te
               "(kv_heads, blocks, block_size, head_dim) layout");
   KV_CHECK(k_cache.stride(3) == 1, "head_dim must be the caches' innermost, contiguous dimension");
   KV_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
-  KV_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= max_group,
+  KV_CHECK(q.size(1) >= 1 && k_cache.size(0) >= 1 && q.size(1) % k_cache.size(0) == 0 &&
+               q.size(1) / k_cache.size(0) <= max_group,
               "heads / kv_heads must be a whole number <= ", max_group);
   KV_CHECK(!packed || (k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3)),
               "packed caches must have each block's tokens contiguous");
@@ -554,6 +555,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& tables, int64_t window, double scale, at::Tensor out,
                                    bool packed) {
   const bool f32 = q.scalar_type() == at::kFloat;
+  KV_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   if (f32) {
     check_paged_f32(q, out, k_cache, v_cache, packed);
     KV_CHECK(prefill_f32_supported(q.size(2), k_cache.size(2)),
@@ -579,8 +581,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   std::vector<Task> tasks;
   const int64_t tile = std::max<int64_t>(1, (f32 ? kPrefillF32Rows : kMaxRows) / group);
   for (int64_t i = 0; i < n_seq; ++i) {
-    KV_CHECK(ql[i] >= 1 && qs[i] >= 0 && qs[i] + ql[i] <= n_tok, "sequence ", i, ": rows [", qs[i], ", ",
-                qs[i] + ql[i], ") are not in q's ", n_tok, " rows");
+    // (written so that no sum can overflow: a start near 2^63 must fail the check, not wrap past it)
+    KV_CHECK(ql[i] >= 1 && ql[i] <= n_tok && qs[i] >= 0 && qs[i] <= n_tok - ql[i], "sequence ", i, ": ", ql[i],
+                " rows from row ", qs[i], " are not in q's ", n_tok, " rows");
     KV_CHECK(ql[i] <= cl[i] && cl[i] <= width * block_size, "sequence ", i, ": ", ql[i], " queries and ", cl[i],
                 " keys do not fit its ", width, " blocks");
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, cl[i] - ql[i] - window + 1) : 0;
@@ -646,6 +649,9 @@ at::Tensor paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t* sh = shared.const_data_ptr<int64_t>();
   const int64_t* ro = rows.const_data_ptr<int64_t>();
   KV_CHECK(gs[0] == 0 && gs[n_groups] == batch, "group_starts must run from 0 to B");
+  for (int64_t i = 0; i < n_groups; ++i) {  // (before any is used as an index)
+    KV_CHECK(gs[i] < gs[i + 1], "group_starts must increase: group ", i, " is empty");
+  }
   for (int64_t b = 0; b < batch; ++b) {
     KV_CHECK(0 <= ro[b] && ro[b] < q.size(0), "sequence ", b, ": row ", ro[b], " is not in q's ", q.size(0), " rows");
     KV_CHECK(1 <= ln[b] && ln[b] <= width * block_size, "sequence ", b, ": ", ln[b], " keys do not fit its ", width,

@@ -37,7 +37,7 @@ namespace kvpool_kernels {
 
 bool prefill_f32_supported(int64_t dim, int64_t block_size) {
 #ifdef KVPOOL_AVX2_F32
-  return (dim == 64 || dim == 128 || dim == 256) && block_size % 8 == 0;
+  return (dim == 64 || dim == 128 || dim == 256) && block_size % 8 == 0 && block_size <= 256;
 #else
   (void)dim;
   (void)block_size;
