@@ -138,6 +138,11 @@ class RunnerConfig:
     enable_lora: bool = option(False, "accept LoRA adapters (kvpool serve turns it on with --lora-modules)")
     max_loras: int = option(1, "distinct LoRA adapters in one step")
     max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have")
+    # Adapters whose weights stay in host memory (vLLM's max_cpu_loras): past it the least recently used
+    # one that no request in flight needs is unloaded, and read from its folder again when asked for.
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept loaded (the least recently used idle one "
+                                       "unloaded past it, reloaded from its folder when asked for; >= "
+                                       "max_loras; default: every adapter seen)")
 
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096  # LLM(...): see SchedulerConfig.max_num_batched_tokens
@@ -224,6 +229,13 @@ class EngineConfig:
         count("state_retention_tokens", 0)
         count("max_loras", 1)  # (checked here even without enable_lora: a bool passes the runner's int check)
         count("max_lora_rank", 1)
+        count("max_cpu_loras", 1, optional=True)
+        if self.max_cpu_loras is not None:
+            if not self.enable_lora:
+                raise ValueError("max_cpu_loras: bounds the LoRA adapters kept loaded, and LoRA is off "
+                                 "(set enable_lora)")
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
         if self.model is not None and (not isinstance(self.model, str | os.PathLike) or not os.fspath(self.model)):
             raise ValueError(f"model: must be a model folder (a path) or None, got {self.model!r}")
         d = self.kv_store_deadline_s

@@ -108,7 +108,8 @@ class LLMEngine:
                                   stage_output_cache=config.enable_prefix_caching,
                                   batch_invariant=config.batch_invariant, native_kernels=config.native_kernels)
         # LoRA adapters (kvpool.runner.lora): None when off
-        self.loras = (LoRARegistry(self.runner.enable_lora(config.max_loras, config.max_lora_rank))
+        self.loras = (LoRARegistry(self.runner.enable_lora(config.max_loras, config.max_lora_rank,
+                                                           config.max_cpu_loras))
                       if config.enable_lora else None)
         bs = config.block_size
         asked = config.max_model_len
@@ -363,8 +364,7 @@ class LLMEngine:
         name = self.loras.name_of(lora)
         if name is None:
             return False
-        held = self.store.held_requests() if self.store is not None else []
-        live = sum(r.lora_name == name for r in (*self.scheduler.requests.values(), *held))
+        live = sum(r.lora_name == name for r in self._requests_in_flight())
         if live:
             raise ValueError(f"lora_request: adapter {name!r} has {live} requests in flight; remove it once they "
                              f"have finished (or abort them)")
@@ -495,9 +495,11 @@ class LLMEngine:
         """Hand a request made by `make_request` to the scheduler (after its store reads, if any)."""
         if self._in_use(req.request_id):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
-        if req.lora_name is not None and self.loras is not None and self.loras.name_of(req.lora_name) is None:
-            # (made on another thread while the adapter was removed on this one: its weights are gone)
-            raise ValueError(f"lora_request: adapter {req.lora_name!r} was removed; add it again")
+        if req.lora_name is not None and self.loras is not None:
+            if self.loras.name_of(req.lora_name) is None:
+                # (made on another thread while the adapter was removed on this one: its weights are gone)
+                raise ValueError(f"lora_request: adapter {req.lora_name!r} was removed; add it again")
+            self.loras.reload(req.lora_name)  # (unloaded since it was made: max_cpu_loras)
         seed = req.sampling_params.seed
         g = None
         if seed is not None:  # (before the request goes anywhere: nothing to undo if this fails)
@@ -507,6 +509,19 @@ class LLMEngine:
             self.scheduler.add_request(req)
         if g is not None:
             self._generators[req.request_id] = g
+        if req.lora_name is not None:
+            self._unload_idle_loras()
+
+    def _requests_in_flight(self) -> list[Request]:
+        """Queued, running, or held for their store reads."""
+        held = self.store.held_requests() if self.store is not None else []
+        return [*self.scheduler.requests.values(), *held]
+
+    def _unload_idle_loras(self) -> None:
+        """Keep at most max_cpu_loras adapters loaded, unloading idle ones (on the engine thread: it alone
+        knows which adapters the requests in flight need)."""
+        if self.loras is not None and self.loras.manager.max_cpu_loras is not None:
+            self.loras.manager.unload_idle({r.lora_name for r in self._requests_in_flight() if r.lora_name})
 
     def _held_for_store(self, req: Request) -> bool:
         """Whether the store tier holds the request for its reads. A fault in the store's code costs the

@@ -95,6 +95,8 @@ class LoRARegistry:
         if not isinstance(req, LoRARequest):
             raise ValueError(f"lora_request: expected a LoRARequest, got {type(req).__name__}")
         if self._known(req):
+            if not self.manager.loaded(req.lora_name):
+                self.reload(req.lora_name)
             return req.lora_name
         with self._adding:  # (loading reads the folder: the maps' lock stays free for known adapters)
             if self._known(req):
@@ -129,6 +131,27 @@ class LoRARegistry:
                     raise ValueError(f"lora_request: lora_int_id {req.lora_int_id} is already adapter "
                                      f"{other.lora_name!r}")
         return False
+
+    def reload(self, name: str) -> None:
+        """Load a registered adapter unloaded since (max_cpu_loras) from its folder again, refused (ValueError)
+        if its files are no longer the ones it was registered with: its cached KV blocks are keyed by those."""
+        if self.manager.loaded(name):
+            return
+        with self._adding:
+            if self.manager.loaded(name):
+                return
+            with self._lock:
+                req, digest = self.requests[name], self.digests[name]
+            folder = Path(req.lora_path)
+            files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
+            if not all(f.is_file() for f in files) or files_digest(files) != digest:
+                raise ValueError(f"lora_request: the files of adapter {name!r} in {req.lora_path!r} changed since it "
+                                 f"was first loaded (its cached KV was computed with those); add it under a new name")
+            self.manager.register(name, req.lora_path)
+            if files_digest(files) != digest:  # (rewritten while it was read)
+                self.manager.forget(name)
+                raise ValueError(f"lora_request: the adapter files in {req.lora_path!r} changed while they were "
+                                 f"read; send the request again")
 
     def name_of(self, lora: int | str) -> str | None:
         """The name of the registered adapter with this name or int id; None if there is none."""

@@ -34,6 +34,7 @@ import logging
 import math
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,7 +287,7 @@ class LoRAManager:
     """The runner's adapters: registry, slots and the per-step plan read by every `LoRALinear`."""
 
     def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_cpu_loras: int | None = None) -> None:
         from kvpool.runner.models.llama import LlamaForCausalLM
 
         if type(model) is not LlamaForCausalLM:
@@ -312,7 +313,10 @@ class LoRAManager:
             raise ValueError(f"max_loras, max_lora_rank: {max_loras} adapter slots of rank {max_rank} "
                              f"need {need / 2**30:.1f} GiB of buffers, more than half this machine's memory "
                              f"({ram / 2**30:.1f} GiB)")
-        self.adapters: dict[str, LoRAAdapter] = {}
+        # name -> weights, least recently used first; at most max_cpu_loras of them once `unload_idle` ran
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.max_cpu_loras = max_cpu_loras
+        self.num_unloads = 0
         self._lock = threading.Lock()  # registration may come from another thread than the steps
         self.slots: list[str | None] = [None] * max_loras
         self._last_used = [0] * max_loras
@@ -338,6 +342,7 @@ class LoRAManager:
         with self._lock:
             have = self.adapters.get(name)
             if have is not None:
+                self.adapters.move_to_end(name)
                 return self._same_folder(have, path)
         adapter = load_adapter(name, path, self.arch, max_rank=self.max_rank, dtype=self.dtype, device=self.device)
         with self._lock:
@@ -352,6 +357,30 @@ class LoRAManager:
         with self._lock:
             if name not in self.slots:
                 self.adapters.pop(name, None)
+
+    def loaded(self, name: str) -> bool:
+        with self._lock:
+            return name in self.adapters
+
+    def unload_idle(self, busy: set[str]) -> list[str]:
+        """Past `max_cpu_loras` adapters, unload the least recently used ones not in `busy` (the adapters of
+        the requests in flight: their weights must stay for their slots); returns their names."""
+        out: list[str] = []
+        with self._lock:
+            if self.max_cpu_loras is None:
+                return out
+            for name in list(self.adapters):
+                if len(self.adapters) <= self.max_cpu_loras:
+                    break
+                if name not in busy:
+                    del self.adapters[name]
+                    if name in self.slots:  # (its slot's copy goes too: a reload must fill it again)
+                        self.slots[self.slots.index(name)] = None
+                    out.append(name)
+            self.num_unloads += len(out)
+        for name in out:
+            log.info("LoRA adapter %s unloaded (max_cpu_loras=%d)", name, self.max_cpu_loras)
+        return out
 
     def unload(self, name: str) -> None:
         """Drop an adapter's weights and empty its slot (no step may need it: the engine checked)."""
@@ -377,7 +406,9 @@ class LoRAManager:
             raise RuntimeError(f"LoRA: a step needs {len(needed)} adapters; max_loras={self.max_loras} slots")
         # An empty slot first, else the one least recently used.
         slot = min(free, key=lambda s: (self.slots[s] is not None, self._last_used[s], s))
-        adapter = self.adapters[name]
+        with self._lock:
+            adapter = self.adapters[name]
+            self.adapters.move_to_end(name)
         for layer, wrappers in enumerate(self.wrappers):
             for proj, w in wrappers.items():
                 w.load_slot(slot, [adapter.weights.get((layer, proj, j)) for j in range(len(w.shape.out_slices))])

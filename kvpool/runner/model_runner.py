@@ -300,12 +300,12 @@ class ModelRunner:
               self.prefill_kernel), ("fused norm/rotary/SiLU", self.fused_ops)) if used]
         log.info("kvpool CPU kernels: %s", ", ".join(on) if on else "none (torch ops)")
 
-    def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAManager:
+    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None) -> LoRAManager:
         """Wrap the projections for LoRA adapters (kvpool.runner.lora); ValueError for models without."""
         if self.batch_invariant:
             raise ValueError("enable_lora: not supported together with batch_invariant")
         self.lora = LoRAManager(self.model, max_loras=max_loras, max_rank=max_lora_rank, dtype=self.dtype,
-                                device=self.device)
+                                device=self.device, max_cpu_loras=max_cpu_loras)
         return self.lora
 
     @property

@@ -140,6 +140,61 @@ def test_an_adapter_removed_frees_its_weights_and_slot_and_comes_back_to_its_blo
     assert eng.kv.usage == 0
 
 
+def test_past_max_cpu_loras_idle_adapters_are_unloaded_and_reloaded_when_asked_for(
+        tiny_llama_dir: Path, adapters: dict[str, Path], expected: dict[str | None, list[list[int]]],
+        tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "attn"
+    shutil.copytree(adapters["attn"], folder)
+    loras = {**requests(adapters), "attn": LoRARequest("attn", 1, str(folder))}
+    llm = tiny_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2)
+    eng, manager = llm.engine, llm.engine.runner.lora
+    assert manager is not None
+    sp = SamplingParams.greedy(N_OUT)
+
+    def run(name: str) -> list[int]:
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=loras[name])
+        assert [o.token_ids for o in outs] == expected[name], name
+        return [o.num_cached_tokens for o in outs]
+
+    run("attn")
+    run("all")
+    assert list(manager.adapters) == ["attn", "all"] and manager.num_unloads == 0
+    run("patterns")  # a third: the least recently used idle one goes
+    assert list(manager.adapters) == ["all", "patterns"] and manager.num_unloads == 1
+    # Asked for again: read from its folder, the same tokens, its cached blocks hits as before.
+    cached = run("attn")
+    assert list(manager.adapters) == ["patterns", "attn"]
+    assert all(c == (len(p) - 1) // BLOCK * BLOCK for c, p in zip(cached, PROMPTS, strict=True))
+    # In flight, an adapter stays loaded whatever the bound: a request of each of the three at once.
+    reqs = [eng.add_request(PROMPTS[i], sp, lora_request=loras[n]) for i, n in enumerate(["all", "patterns", "attn"])]
+    assert set(manager.adapters) == {"all", "patterns", "attn"}
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == [expected[n][i] for i, n in enumerate(["all", "patterns", "attn"])]
+    run("all")
+    run("patterns")
+    assert set(manager.adapters) == {"all", "patterns"}  # the two used last
+    # Unloaded, then its files rewritten: refused (its cached KV is keyed by the first files), not reloaded.
+    cfg = folder / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('"lora_alpha"', '"lora_alpha" ', 1))
+    with pytest.raises(ValueError, match=r"^lora_request: the files of adapter 'attn' .* changed since it was first"):
+        llm.generate(PROMPTS[:1], sp, use_tqdm=False, lora_request=loras["attn"])
+    assert eng.kv.usage == 0 and not eng.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(max_cpu_loras=1, max_loras=2), r"^max_cpu_loras: must be >= max_loras \(2\), got 1"),
+    (dict(max_cpu_loras=0), r"^max_cpu_loras: must be an int >= 1 or None, got 0"),
+])
+def test_max_cpu_loras_is_checked(tiny_llama_dir: Path, kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_llm(tiny_llama_dir, **kw)
+    with pytest.raises(ValueError, match=r"^max_cpu_loras: bounds the LoRA adapters kept loaded, and LoRA is off"):
+        LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, max_cpu_loras=2)
+
+
 def test_blocks_shared_within_an_adapter_never_across(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
     llm = tiny_llm(tiny_llama_dir)
     loras = requests(adapters)
