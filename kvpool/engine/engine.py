@@ -54,7 +54,10 @@ def _message_list(messages: Any) -> list[Any]:
     return list(messages)
 
 
-def _eos_ids(model_dir: Any) -> list[int]:
+def _eos_ids(model_dir: Any, tokenizer: Any = None) -> list[int]:
+    """The tokens that end a request (unless `ignore_eos`): the model's `eos_token_id` (generation config,
+    else config) and the tokenizer's own EOS, as vLLM stops on both (a chat model whose configs name none
+    would otherwise run past the end of its answer to `max_tokens`)."""
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         f = model_dir / name
@@ -63,6 +66,9 @@ def _eos_ids(model_dir: Any) -> list[int]:
             if v is not None:
                 ids += v if isinstance(v, list) else [v]
                 break
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int) and tok_eos not in ids:
+        ids.append(tok_eos)
     return ids
 
 
@@ -170,7 +176,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    stop_checker=StopChecker(self.detokenizer),
                                    max_loras=config.max_loras if config.enable_lora else 0)
-        self.eos_token_ids = _eos_ids(self.model_dir)
+        self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
         # The model's own input processor: placeholder embeddings, or images read by cross-attention layers.

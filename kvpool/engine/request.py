@@ -74,6 +74,7 @@ class Request(CacheRequest):
             raise ValueError("max_tokens: None (until the context is full) needs a known max_model_len")
         self.max_tokens: int = mt
         self.stop_reason: int | str | None = None
+        self.stopped_by_token = False  # its last token is a stop token (EOS or stop_token_ids)
         self.output_text = ""
         self.mm_inputs: Any = None  # its validated multimodal inputs (kvpool.runner.multimodal.PreparedInputs)
         self.lora_name: str | None = None  # the LoRA adapter it runs with (kvpool.engine.lora_request)
@@ -91,7 +92,9 @@ class Request(CacheRequest):
         last = self.all_token_ids[-1]
         if last in self._stop_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = last
+            # vLLM's stop_reason: the token when it is one of the request's stop_token_ids; None for EOS.
+            self.stop_reason = last if last in self.sampling_params.stop_token_ids else None
+            self.stopped_by_token = True
             return True
         if self.num_output_tokens >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -3,8 +3,13 @@ its stop strings, checked in that order after each token the scheduler appends.
 
 Stop strings need the text, so the request's text is brought up to date here too: while a request runs,
 by incremental decoding (the tokenizers library's DecodeStream), O(new tokens) per step where a full decode
-would be O(output) and quadratic over a long generation; once it is finished, by one full decode, so the
-final text is exactly `tokenizer.decode`.
+would be O(output) and quadratic over a long generation; once it is finished, by one full decode.
+
+Both decode the output after the prompt's last few tokens (`PROMPT_CONTEXT`), as vLLM's detokenizer does:
+alone, the first token of a Llama-2 or Mistral style tokenizer (a Metaspace "▁word" and a decoder that
+strips the text's leading space) would lose its space, and prompt + completion would not read as the whole.
+A request ended by a stop token (EOS or one of its stop_token_ids) leaves that token's text out unless
+`include_stop_str_in_output`, as vLLM does (the token stays in the token ids).
 """
 
 from __future__ import annotations
@@ -15,6 +20,20 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 from kvpool.engine.request import Request, RequestStatus
+
+PROMPT_CONTEXT = 5  # prompt tokens decoded before the output (vLLM's initial detokenization offset)
+
+
+def _context(req: Request) -> list[int]:
+    return req.all_token_ids[max(0, req.num_prompt_tokens - PROMPT_CONTEXT):req.num_prompt_tokens]
+
+
+def _text_ids(req: Request) -> list[int]:
+    """The output tokens whose text is the output's: all but a final stop token, unless asked for."""
+    ids = req.output_token_ids
+    if req.stopped_by_token and ids and not req.sampling_params.include_stop_str_in_output:
+        return ids[:-1]
+    return ids
 
 
 def check_stop_tokens(req: Request) -> bool:
@@ -31,8 +50,14 @@ class Detokenizer:
         self._streams: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
 
     def decode(self, req: Request) -> str:
+        ids, context = _text_ids(req), _context(req)
         with self.lock:
-            return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            whole = self.tokenizer.decode(context + ids, skip_special_tokens=True)
+            head = self.tokenizer.decode(context, skip_special_tokens=True)
+            if whole.startswith(head):
+                return whole[len(head):]
+            # (the context's last character completed only with the output's bytes: decoded alone)
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, req: Request) -> int:
         """Bring `req.output_text` up to date; returns where the new text starts."""
@@ -43,7 +68,7 @@ class Detokenizer:
             return min(start, len(req.output_text))
         state = self._streams.get(req.request_id)
         if state is None:
-            state = self._streams[req.request_id] = [DecodeStream(skip_special_tokens=True), 0]
+            state = self._streams[req.request_id] = [DecodeStream(ids=_context(req), skip_special_tokens=True), 0]
         stream, done = state
         ids = req.output_token_ids
         pieces = []

@@ -105,8 +105,24 @@ def test_smollm2_chat_and_text(smol_llm: LLM) -> None:
                         SamplingParams.greedy(20), use_tqdm=False)[0]
     assert "Paris" in out.text
     assert out.outputs[0].finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|>
+    assert out.outputs[0].stop_reason is None  # EOS, as vLLM reports it (a stop_token_ids entry is named)
     assert out.metrics is not None and out.metrics.first_token_time is not None
     assert out.metrics.arrival_time <= out.metrics.first_token_time <= out.metrics.finished_time
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(smol_llm: LLM) -> None:
+    """As vLLM: the token that ended the request stays in its ids, and its text (a newline here) is not in
+    the text unless include_stop_str_in_output; the stream's deltas add up to the same text."""
+    prompt = "The capital of France is"
+    full = smol_llm.generate(prompt, SamplingParams.greedy(12), use_tqdm=False)[0]
+    assert "\n" in full.text
+    newline = 198
+    out = smol_llm.generate(prompt, SamplingParams.greedy(12, stop_token_ids=[newline]), use_tqdm=False)[0]
+    assert out.token_ids[-1] == newline and out.outputs[0].stop_reason == newline
+    assert out.text == full.text[: full.text.index("\n")] and out.text
+    keep = SamplingParams.greedy(12, stop_token_ids=[newline], include_stop_str_in_output=True)
+    kept = smol_llm.generate(prompt, keep, use_tqdm=False)[0]
+    assert kept.text == out.text + "\n"
 
 
 def test_stop_strings_cut_the_text(smol_llm: LLM) -> None:

@@ -1,0 +1,57 @@
+"""The output's text as vLLM gives it, with a Llama-2 / Mistral style tokenizer (Metaspace "▁word" pieces,
+a decoder that strips the text's leading space): decoded after the prompt's last tokens, so the first
+output word keeps its space and prompt + completion reads as the whole sequence, streamed or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import make_tiny_llama
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.sampling_params import SamplingParams
+
+WORDS = ["The", "capital", "of", "France", "is", "Paris", "a", "city", "on", "the", "Seine", "and", "river"]
+
+
+@pytest.fixture(scope="module")
+def metaspace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"▁{w}", -1.0) for w in WORDS]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyzPTFS▁"]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=0))
+    # Llama-2's tokenizer.json: "▁" prepended and for every space; decoded back, the first space stripped.
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny-metaspace"), seed=5, vocab_size=len(pieces))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def test_the_first_word_keeps_its_space_and_prompt_plus_text_is_the_whole(metaspace_dir: Path) -> None:
+    llm = LLM(str(metaspace_dir), dtype="float32", num_blocks=64, block_size=4)
+    tok = llm.engine.tokenizer
+    prompt = "The capital of France is"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["▁The", "▁capital", "▁of", "▁France", "▁is"]
+    seen_space = 0
+    for seed in range(8):
+        sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True)
+        out = llm.generate(prompt, sp, use_tqdm=False)[0]
+        whole = tok.decode(ids + out.token_ids, skip_special_tokens=True)
+        assert prompt + out.text == whole, (out.text, tok.convert_ids_to_tokens(out.token_ids))
+        seen_space += tok.convert_ids_to_tokens(out.token_ids[0]).startswith("▁")
+        # Streamed through the engine step by step: the deltas add up to the same text.
+        req = llm.engine.add_request(prompt, sp)
+        streamed = ""
+        while llm.engine.has_unfinished_requests():
+            for o in llm.engine.step():
+                if o.request_id == req.request_id:
+                    streamed = o.outputs[0].text
+        assert streamed == out.text
+    assert seen_space >= 2  # (the case that lost its space: a first token "▁word")
