@@ -176,20 +176,32 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         finally:
             stream.abort()
 
+    def finish_fields(out: RequestOutput | None, final: bool) -> dict[str, Any]:
+        """A choice's finish_reason and vLLM's stop_reason (the stop string or stop_token_ids entry that ended
+        it; None for EOS and the length limit), both None until the choice's last chunk."""
+        if out is None or not final:
+            return {"finish_reason": None, "stop_reason": None}
+        return {"finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
+
     def sse(stream: RequestStream, chunk: Callable[[str, RequestOutput | None, bool], dict[str, Any]],
             params: SamplingParams, include_usage: bool, rid: str, obj: str,
             first: dict[str, Any] | None = None, model: str = model_name) -> StreamingResponse:
         deltas = _TextDeltas(params)
 
+        def data(body: dict[str, Any]) -> str:
+            if include_usage:  # (OpenAI: null in every chunk but the last, which carries it)
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
         async def events() -> AsyncIterator[str]:
             try:
                 if first is not None:
-                    yield f"data: {json.dumps(first)}\n\n"
+                    yield data(first)
                 out = None
                 async for out in stream:
                     text = deltas.next(out)
                     if text or out.finished:
-                        yield f"data: {json.dumps(chunk(text, out, out.finished))}\n\n"
+                        yield data(chunk(text, out, out.finished))
                 if include_usage and out is not None:
                     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
                             "choices": [], "usage": usage_json(out)}
@@ -322,8 +334,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         rid = f"cmpl-{stream.request_id}"
 
         def choice(text: str, out: RequestOutput | None, final: bool) -> dict[str, Any]:
-            reason = out.outputs[0].finish_reason if out is not None and final else None
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": None, **finish_fields(out, final)}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
@@ -357,10 +368,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
 
         def chunk(text: str, out: RequestOutput | None, final: bool, delta: dict[str, Any] | None = None
                   ) -> dict[str, Any]:
-            reason = out.outputs[0].finish_reason if out is not None and final else None
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": served,
                     "choices": [{"index": 0, "delta": delta if delta is not None else {"content": text},
-                                 "logprobs": None, "finish_reason": reason}]}
+                                 "logprobs": None, **finish_fields(out, final)}]}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
@@ -369,7 +379,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         out = await finish(request, stream)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served,
                              "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                                          "logprobs": None, "finish_reason": out.outputs[0].finish_reason}],
+                                          "logprobs": None, **finish_fields(out, True)}],
                              "usage": usage_json(out)})
 
     return app

@@ -128,8 +128,10 @@ class _SamplingFields(BaseModel):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name}: not supported (must be 0)")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs: not supported")
+        # (chat's false asks for nothing; a completion's 0 asks for the sampled token's logprob, as OpenAI and
+        # vLLM read it: refused like any other count)
+        if not (self.logprobs is None or self.logprobs is False):
+            raise ValueError(f"logprobs: not supported (got {self.logprobs!r:.40})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true (as OpenAI's and vLLM's servers)")
         extra = self.model_extra or {}  # fields not declared here: bookkeeping, or _UNSUPPORTED's

@@ -56,6 +56,8 @@ CASES = [
     ("/v1/completions", body(stop=[""]), 400, "stop", "stop: every stop string"),
     ("/v1/completions", body(stop=["x"] * 65), 400, "stop", "stop: at most 64 stop strings, got 65"),
     ("/v1/completions", body(logprobs=3), 400, "logprobs", "logprobs: not supported"),
+    # 0 asks for the sampled token's logprob (OpenAI, vLLM): it was ignored, answered without them.
+    ("/v1/completions", body(logprobs=0), 400, "logprobs", "logprobs: not supported (got 0)"),
     ("/v1/completions", body(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
     ("/v1/completions", body(cache_salt=""), 400, "cache_salt", "cache_salt"),
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": []}).encode(), 400, "messages", "messages"),

@@ -5,6 +5,7 @@ which some hang up early."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -55,6 +56,25 @@ def test_completion_matches_offline_engine_streaming_or_not(client: openai.OpenA
     ids = offline.encode(prompt)
     assert client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0).choices[0].text == want
     assert want_ids  # the offline reference really generated
+
+
+def test_stop_reason_and_the_usage_field_as_vllm_and_openai_send_them(server: ServerHandle, offline) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    _, ids = offline_text(offline, prompt, 12)
+    stop = ids[3]  # the 4th token ends it
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop]}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == stop
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "stop_token_ids": []}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["stop_reason"] is None
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    # With include_usage, every chunk carries "usage": null but the last, which carries the counts.
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    finals = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["finish_reason"]]
+    assert [(f["finish_reason"], f["stop_reason"]) for f in finals] == [("stop", stop)]
 
 
 def test_chat_matches_offline_engine_streaming_or_not(client: openai.OpenAI, offline) -> None:
