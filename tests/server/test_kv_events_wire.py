@@ -100,6 +100,16 @@ def test_a_bad_replay_endpoint_is_named_as_such() -> None:
         KVEventPublisher("bogus-endpoint", replay_endpoint=f"tcp://127.0.0.1:{free_port()}").bind()
 
 
+def vllm_decoded(replay_ep: str) -> list[dict]:
+    """Every batch a replica's replay socket holds, decoded by vLLM 0.33's own classes in the peer venv
+    (vllm_decode_events.py): one dict per batch."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([str(VENV / "bin" / "python"), str(Path(__file__).with_name("vllm_decode_events.py")),
+                           replay_ep], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
 @pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
                     reason=f"no vLLM peer venv at {VENV} (build it with ../shared/peers/vllm/setup.sh; CI may lack it)")
 def test_vllm_decodes_kvpool_stream(chat_llama_dir: Path) -> None:
@@ -113,13 +123,9 @@ def test_vllm_decodes_kvpool_stream(chat_llama_dir: Path) -> None:
         assert h.engine.call_soon(lambda e: e.kv.reset_prefix_cache()).result(10)
         assert httpx.post(f"{h.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
         time.sleep(0.3)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        proc = subprocess.run([str(VENV / "bin" / "python"), str(Path(__file__).with_name("vllm_decode_events.py")),
-                               replay_ep], capture_output=True, text=True, timeout=120, env=env, cwd="/")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        batches = vllm_decoded(replay_ep)
     finally:
         h.stop()
-    batches = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [b["seq"] for b in batches] == list(range(len(batches)))
     assert all(b["topic"] == "kv-events" and b["rank"] == 0 for b in batches)
     events = [e for b in batches for e in b["events"]]
@@ -148,13 +154,10 @@ def test_vllm_decodes_the_host_and_store_tiers_events(chat_llama_dir: Path, tmp_
     try:
         assert httpx.post(f"{h.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
         time.sleep(0.5)  # the store's writes land and the idle engine publishes them
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        proc = subprocess.run([str(VENV / "bin" / "python"), str(Path(__file__).with_name("vllm_decode_events.py")),
-                               replay_ep], capture_output=True, text=True, timeout=120, env=env, cwd="/")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        batches = vllm_decoded(replay_ep)
     finally:
         h.stop()
-    events = [e for line in proc.stdout.splitlines() for e in json.loads(line)["events"]]
+    events = [e for b in batches for e in b["events"]]
     want = [x.hex() for x in CacheRequest("ref", prompt, hasher=BlockHasher(BLOCK)).block_hashes]
     for medium in ("GPU", "CPU", "STORAGE"):  # device, host (write-through), then the store
         got = [x for e in events if e["type"] == "BlockStored" and e["medium"] == medium for x in e["hashes"]]

@@ -191,7 +191,9 @@ def test_worker_merges_queued_reads_into_one_round_trip(tmp_path: Path) -> None:
     w.close()
 
 
-def test_worker_bounds_its_write_queue_in_bytes_and_counts_only_dropped_blocks(tmp_path: Path) -> None:
+def held_worker(tmp_path: Path) -> tuple[StoreWorker, threading.Event]:
+    """A worker whose writes wait at a gate (set it to let them through), room for 4 blocks of 4 KiB, one
+    block a write."""
     gate = threading.Event()
 
     class Held(FileStore):
@@ -199,7 +201,11 @@ def test_worker_bounds_its_write_queue_in_bytes_and_counts_only_dropped_blocks(t
             gate.wait(5)
             super().put_many(items)
 
-    w = StoreWorker(BlockStore(Held(tmp_path), FP), max_pending_bytes=4 * 4096, max_batch=1)
+    return StoreWorker(BlockStore(Held(tmp_path), FP), max_pending_bytes=4 * 4096, max_batch=1), gate
+
+
+def test_worker_bounds_its_write_queue_in_bytes_and_counts_only_dropped_blocks(tmp_path: Path) -> None:
+    w, gate = held_worker(tmp_path)
     first = blocks(1, salt=b"first")
     assert w.write(first) == 1
     time.sleep(0.2)  # the worker takes it and waits at the gate
@@ -214,14 +220,7 @@ def test_worker_bounds_its_write_queue_in_bytes_and_counts_only_dropped_blocks(t
 
 
 def test_worker_hands_back_the_tags_of_the_blocks_the_store_took_only(tmp_path: Path) -> None:
-    gate = threading.Event()
-
-    class Held(FileStore):
-        def put_many(self, items):  # type: ignore[no-untyped-def]
-            gate.wait(5)
-            super().put_many(items)
-
-    w = StoreWorker(BlockStore(Held(tmp_path), FP), max_pending_bytes=4 * 4096, max_batch=1)
+    w, gate = held_worker(tmp_path)
     first, more = blocks(1, salt=b"first"), blocks(5)
     assert w.write(first, ["first"]) == 1
     time.sleep(0.2)  # the worker takes it and waits at the gate
