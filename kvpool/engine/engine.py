@@ -151,7 +151,7 @@ class LLMEngine:
                 raise ValueError(f"swap_space: {config.swap_space!r} holds no KV block "
                                  f"({self.runner.bytes_per_block} bytes each)")
         elif num_host:
-            self.runner.allocate_host_cache(num_host * self.runner.bytes_per_block)
+            self.runner.allocate_host_cache(num_host * self.runner.host_bytes_per_block)
         has_state = any(isinstance(s, MambaSpec) for s in self.runner.kv_cache_specs)
         if has_state and config.state_retention_tokens % bs:  # (only state layers keep states)
             raise ValueError(f"state_retention_tokens: must be a multiple of block_size ({bs}) >= 0, "

@@ -242,18 +242,25 @@ class ModelRunner:
         if state_shapes is not None:
             # One pool for pages of several sizes: a "block" of the manager is a large page.
             self.bytes_per_block = large_page_bytes(self.layout.specs, self.layout.layers_per_group)
+        # The stage-output cache keeps each cached token's final hidden state (and each captured layer's) in
+        # host memory beside its block: counted in the host tier's budget, and in the KV cache's where that
+        # is host memory too (a CPU device), so that a budget is what the caches take.
+        self.stage_bytes_per_block = (block_size * arch.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+                                      * (1 + len(stage_output_layers)) if stage_outputs and stage_output_cache else 0)
+        self.host_bytes_per_block = self.bytes_per_block + self.stage_bytes_per_block
+        device_block = self.host_bytes_per_block if self.device.type == "cpu" else self.bytes_per_block
         if num_blocks is None:
-            num_blocks = kv_cache_memory // self.bytes_per_block
+            num_blocks = kv_cache_memory // device_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {kv_cache_memory} bytes hold {num_blocks} blocks of "
-                             f"{self.bytes_per_block} bytes; at least 2 are needed")
+                             f"{device_block} bytes; at least 2 are needed")
         self.num_blocks = num_blocks
         # (kv_heads, blocks, block_size, head_dim): one head's keys of a block table gather contiguously.
         shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
         self.paged: PagedBuffers | None = None
         ram = physical_memory() if self.device.type == "cpu" else None
-        if ram is not None and num_blocks * self.bytes_per_block > ram:
-            raise ValueError(f"kv_cache_memory: {num_blocks} blocks ({num_blocks * self.bytes_per_block / 2**30:.1f} "
+        if ram is not None and num_blocks * device_block > ram:
+            raise ValueError(f"kv_cache_memory: {num_blocks} blocks ({num_blocks * device_block / 2**30:.1f} "
                              f"GiB) are more than this machine's memory ({ram / 2**30:.1f} GiB)")
         try:
             if state_shapes is not None:
@@ -419,13 +426,13 @@ class ModelRunner:
     def allocate_host_cache(self, swap_space: int) -> int:
         """Host-tier KV tensors of `swap_space` bytes (pinned when a GPU will copy from them); returns
         the manager's `num_host_blocks` (blocks, or large pages when the pool is two-level)."""
-        n = swap_space // self.bytes_per_block
+        n = swap_space // self.host_bytes_per_block  # (its stage-output rows too: see __init__)
         self.host_kv_caches = []
         self.host_pages = []
         if n < 1:
             return 0
         pin = self.device.type == "cuda"
-        total = n * self.bytes_per_block
+        total = n * self.host_bytes_per_block
         ram = physical_memory()
         if ram is not None and total > ram:
             # (zeroed tensors touch every page: past the machine's memory the kernel kills the process, with
@@ -455,7 +462,7 @@ class ModelRunner:
             self.host_kv_caches, self.host_pages = [], []
             raise ValueError(f"swap_space: {n} host blocks of {self.bytes_per_block} bytes could not be allocated "
                              f"({str(e).splitlines()[0]})") from None
-        log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.bytes_per_block / 2**20)
+        log.info("host KV tier: %d blocks (%.1f MiB)", n, n * self.host_bytes_per_block / 2**20)
         if self.stage_cache is not None:
             self.stage_cache.set_num_host_blocks(n)
         return n
