@@ -174,6 +174,7 @@ class Scheduler:
                     req.metrics.num_host_cached_tokens = hit.num_host_positions() * self.kv.block_size
             req.num_computed_tokens = n_hit
             req.status = RequestStatus.RUNNING
+            req.lora_waits = 0  # (its patience starts again if it is preempted and waits once more)
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, n_hit))
             budget -= num_new

@@ -24,10 +24,6 @@ from kvpool.engine.request import Request, RequestStatus
 PROMPT_CONTEXT = 5  # prompt tokens decoded before the output (vLLM's initial detokenization offset)
 
 
-def _context(req: Request) -> list[int]:
-    return req.all_token_ids[max(0, req.num_prompt_tokens - PROMPT_CONTEXT):req.num_prompt_tokens]
-
-
 def _text_ids(req: Request) -> list[int]:
     """The output tokens whose text is the output's: all but a final stop token, unless asked for."""
     ids = req.output_token_ids
@@ -48,10 +44,24 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.lock = lock  # a fast tokenizer may refuse concurrent use ("Already borrowed")
         self._streams: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
+        self._contexts: dict[str, list[int]] = {}  # request id -> the prompt tokens its output is decoded after
+
+    def _context(self, req: Request) -> list[int]:
+        """The prompt's last PROMPT_CONTEXT tokens, fewer where their text holds a broken character (the
+        window starting inside one, or the prompt ending inside one that the output completes): decoded after
+        those, the output's first piece would carry prompt text. Called with the lock held."""
+        ctx = self._contexts.get(req.request_id)
+        if ctx is None:
+            tail = req.all_token_ids[max(0, req.num_prompt_tokens - PROMPT_CONTEXT):req.num_prompt_tokens]
+            ctx = next((tail[i:] for i in range(len(tail))
+                        if "\ufffd" not in self.tokenizer.decode(tail[i:], skip_special_tokens=True)), [])
+            self._contexts[req.request_id] = ctx
+        return ctx
 
     def decode(self, req: Request) -> str:
-        ids, context = _text_ids(req), _context(req)
+        ids = _text_ids(req)
         with self.lock:
+            context = self._context(req)
             whole = self.tokenizer.decode(context + ids, skip_special_tokens=True)
             head = self.tokenizer.decode(context, skip_special_tokens=True)
             if whole.startswith(head):
@@ -68,7 +78,9 @@ class Detokenizer:
             return min(start, len(req.output_text))
         state = self._streams.get(req.request_id)
         if state is None:
-            state = self._streams[req.request_id] = [DecodeStream(ids=_context(req), skip_special_tokens=True), 0]
+            with self.lock:
+                context = self._context(req)
+            state = self._streams[req.request_id] = [DecodeStream(ids=context, skip_special_tokens=True), 0]
         stream, done = state
         ids = req.output_token_ids
         pieces = []
@@ -83,6 +95,7 @@ class Detokenizer:
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._contexts.pop(request_id, None)
 
 
 class StopChecker:

@@ -400,6 +400,9 @@ class LoRAManager:
 
     def _slot_for(self, name: str, needed: set[str]) -> int:
         if name in self.slots:
+            with self._lock:  # (used: the most recently used, for unload_idle)
+                if name in self.adapters:
+                    self.adapters.move_to_end(name)
             return self.slots.index(name)
         free = [s for s, n in enumerate(self.slots) if n is None or n not in needed]
         if not free:

@@ -55,3 +55,35 @@ def test_the_first_word_keeps_its_space_and_prompt_plus_text_is_the_whole(metasp
                     streamed = o.outputs[0].text
         assert streamed == out.text
     assert seen_space >= 2  # (the case that lost its space: a first token "▁word")
+
+
+@pytest.mark.parametrize("text", ["ab 😀😀😀 cd ef gh", "中文字符测试一下 hello 世界",
+                                  "<|im_start|>user\nhi 😀<|im_end|>\n<|im_start|>assistant\n日本語 ok"])
+def test_every_prompt_output_split_streams_the_final_text_and_no_prompt_text(smol_dir: Path, text: str) -> None:
+    """Prompts ending inside a character (a generation cut by max_tokens mid-emoji, continued): decoded after
+    them, the output's first piece carried the prompt's text, and the final text was not what had streamed."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from kvpool.engine.request import Request
+    from kvpool.engine.stop import Detokenizer, StopChecker
+
+    tok = AutoTokenizer.from_pretrained(str(smol_dir))
+    det = Detokenizer(tok, threading.Lock())
+    check = StopChecker(det)
+    ids = tok.encode(text, add_special_tokens=False)
+    for k in range(1, len(ids) - 1):
+        prompt, out = ids[:k], ids[k:]
+        req = Request(f"r{k}", prompt, SamplingParams(max_tokens=len(out)), eos_token_ids=[])
+        texts = []
+        for t in out:
+            req.append_output_token_ids(t)
+            check(req)
+            texts.append(req.output_text)
+        det.forget(req.request_id)
+        final = texts[-1]
+        assert all(final.startswith(s.rstrip("\ufffd")) for s in texts), (k, texts)
+        head = tok.decode(prompt, skip_special_tokens=True)
+        if "\ufffd" not in head:  # a clean boundary: prompt + completion reads as the whole
+            assert head + final == tok.decode(ids, skip_special_tokens=True), k

@@ -184,6 +184,18 @@ def test_past_max_cpu_loras_idle_adapters_are_unloaded_and_reloaded_when_asked_f
     assert eng.kv.usage == 0 and not eng.has_unfinished_requests()
 
 
+def test_an_adapter_used_from_its_slot_counts_as_recently_used(tiny_llama_dir: Path, adapters: dict[str, Path],
+                                                              expected: dict[str | None, list[list[int]]]) -> None:
+    llm = tiny_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=2)
+    manager = llm.engine.runner.lora
+    assert manager is not None
+    loras = requests(adapters)
+    for name in ("all", "attn", "attn", "all", "all"):  # all used last, from the slot it kept
+        llm.generate(PROMPTS[:1], SamplingParams.greedy(2), use_tqdm=False, lora_request=loras[name])
+    llm.generate(PROMPTS[:1], SamplingParams.greedy(2), use_tqdm=False, lora_request=loras["patterns"])
+    assert set(manager.adapters) == {"all", "patterns"}  # attn, the least recently used, went
+
+
 @pytest.mark.parametrize(("kw", "message"), [
     (dict(max_cpu_loras=1, max_loras=2), r"^max_cpu_loras: must be >= max_loras \(2\), got 1"),
     (dict(max_cpu_loras=0), r"^max_cpu_loras: must be an int >= 1 or None, got 0"),
