@@ -351,11 +351,18 @@ class LLMEngine:
     # -- LoRA adapters (kvpool.engine.lora_request) -----------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter now (else at its first request); ValueError if it cannot serve."""
+        """Load an adapter now (else at its first request); ValueError if it cannot serve. Past
+        max_cpu_loras, the least recently used idle adapter is unloaded (this adapter was checked and stays
+        registered; it is read again when asked for). On the engine's thread, as every engine call."""
+        self._register_lora(lora_request)
+        self._unload_idle_loras()
+        return True
+
+    def _register_lora(self, lora_request: LoRARequest) -> None:
+        """(any thread: a request being made registers its adapter, the engine thread alone unloads)"""
         if self.loras is None:
             raise ValueError("lora_request: LoRA is off; build the engine with enable_lora=True")
         self.loras.add(lora_request)
-        return True
 
     def list_loras(self) -> list[LoRARequest]:
         return [] if self.loras is None else list(self.loras.requests.values())
@@ -450,7 +457,7 @@ class LLMEngine:
         if lora_request is not None:
             if lora_id is not None:
                 raise ValueError("lora_request: give lora_request or lora_id, not both")
-            self.add_lora(lora_request)
+            self._register_lora(lora_request)
             # Its blocks are hashed under the adapter's name and the digest of its files.
             lora_name = lora_id = lora_request.lora_name
             lora_content = self.loras.content_digest(lora_name)  # type: ignore[union-attr]

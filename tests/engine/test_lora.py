@@ -184,6 +184,21 @@ def test_past_max_cpu_loras_idle_adapters_are_unloaded_and_reloaded_when_asked_f
     assert eng.kv.usage == 0 and not eng.has_unfinished_requests()
 
 
+def test_adapters_added_ahead_are_checked_then_kept_within_the_bound(
+        tiny_llama_dir: Path, adapters: dict[str, Path], expected: dict[str | None, list[list[int]]]) -> None:
+    """As `kvpool serve --lora-modules` adds them at start: each is read and checked, then only
+    max_cpu_loras stay loaded; the others are read again when asked for."""
+    llm = tiny_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=1)
+    manager = llm.engine.runner.lora
+    assert manager is not None
+    loras = requests(adapters)
+    for lora in loras.values():
+        assert llm.engine.add_lora(lora)
+    assert [r.lora_name for r in llm.engine.list_loras()] == list(loras) and list(manager.adapters) == ["patterns"]
+    outs = llm.generate(PROMPTS, SamplingParams.greedy(N_OUT), use_tqdm=False, lora_request=loras["attn"])
+    assert [o.token_ids for o in outs] == expected["attn"] and list(manager.adapters) == ["attn"]
+
+
 def test_an_adapter_used_from_its_slot_counts_as_recently_used(tiny_llama_dir: Path, adapters: dict[str, Path],
                                                               expected: dict[str | None, list[list[int]]]) -> None:
     llm = tiny_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=2)
