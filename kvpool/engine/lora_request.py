@@ -101,21 +101,31 @@ class LoRARegistry:
         with self._adding:  # (loading reads the folder: the maps' lock stays free for known adapters)
             if self._known(req):
                 return req.lora_name
-            folder = Path(req.lora_path)
-            files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
-            before = files_digest(files) if all(f.is_file() for f in files) else None
-            self.manager.register(req.lora_name, req.lora_path)
-            digest = files_digest(files)
-            if digest != before:
-                # Rewritten while it was read: the weights loaded may be neither version, and the blocks
-                # would be keyed by a digest of files other than the ones computed with.
-                self.manager.forget(req.lora_name)
-                raise ValueError(f"lora_request: the adapter files in {req.lora_path!r} changed while they were "
-                                 f"read; send the request again")
+            digest = self._load(req)
             with self._lock:
                 self.requests[req.lora_name] = req
                 self.digests[req.lora_name] = digest
         return req.lora_name
+
+    def _load(self, req: LoRARequest, want: str | None = None) -> str:
+        """Load the adapter's weights from its folder; the digest of its files. `want`: the digest it was
+        registered with, which the files must still have (a reload: its cached blocks are keyed by it)."""
+        folder = Path(req.lora_path)
+        files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
+        before = files_digest(files) if all(f.is_file() for f in files) else None
+        if want is not None and before != want:
+            raise ValueError(f"lora_request: the files of adapter {req.lora_name!r} in {req.lora_path!r} changed "
+                             f"since it was first loaded (its cached KV was computed with those); add it under a "
+                             f"new name")
+        self.manager.register(req.lora_name, req.lora_path)
+        digest = files_digest(files)
+        if digest != before:
+            # Rewritten while it was read: the weights loaded may be neither version, and the blocks would be
+            # keyed by a digest of files other than the ones computed with.
+            self.manager.forget(req.lora_name)
+            raise ValueError(f"lora_request: the adapter files in {req.lora_path!r} changed while they were "
+                             f"read; send the request again")
+        return digest
 
     def _known(self, req: LoRARequest) -> bool:
         """True if `req` is a registered adapter; ValueError if it conflicts with one (name or id)."""
@@ -142,16 +152,7 @@ class LoRARegistry:
                 return
             with self._lock:
                 req, digest = self.requests[name], self.digests[name]
-            folder = Path(req.lora_path)
-            files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
-            if not all(f.is_file() for f in files) or files_digest(files) != digest:
-                raise ValueError(f"lora_request: the files of adapter {name!r} in {req.lora_path!r} changed since it "
-                                 f"was first loaded (its cached KV was computed with those); add it under a new name")
-            self.manager.register(name, req.lora_path)
-            if files_digest(files) != digest:  # (rewritten while it was read)
-                self.manager.forget(name)
-                raise ValueError(f"lora_request: the adapter files in {req.lora_path!r} changed while they were "
-                                 f"read; send the request again")
+            self._load(req, digest)
 
     def name_of(self, lora: int | str) -> str | None:
         """The name of the registered adapter with this name or int id; None if there is none."""

@@ -373,9 +373,7 @@ class LoRAManager:
                 if len(self.adapters) <= self.max_cpu_loras:
                     break
                 if name not in busy:
-                    del self.adapters[name]
-                    if name in self.slots:  # (its slot's copy goes too: a reload must fill it again)
-                        self.slots[self.slots.index(name)] = None
+                    self._drop(name)  # (its slot's copy goes too: a reload must fill it again)
                     out.append(name)
             self.num_unloads += len(out)
         for name in out:
@@ -385,9 +383,13 @@ class LoRAManager:
     def unload(self, name: str) -> None:
         """Drop an adapter's weights and empty its slot (no step may need it: the engine checked)."""
         with self._lock:
-            self.adapters.pop(name, None)
-            if name in self.slots:
-                self.slots[self.slots.index(name)] = None
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        """(with the lock held)"""
+        self.adapters.pop(name, None)
+        if name in self.slots:
+            self.slots[self.slots.index(name)] = None
 
     @staticmethod
     def _same_folder(have: LoRAAdapter, path: str) -> LoRAAdapter:
