@@ -386,11 +386,27 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------------
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("prompt: this engine has no tokenizer; pass token ids")
         with self._tokenizer_lock:
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids (any of the model's vocabulary); ValueError naming `tokens` for others."""
+        if self.tokenizer is None:
+            raise ValueError("tokens: this engine has no tokenizer")
+        n = len(self.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < n), None)
+        if bad is not None:
+            raise ValueError(f"tokens: {bad} is not a token id of this model (0 to {n - 1})")
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own string in the vocabulary (vLLM's token_strs)."""
+        with self._tokenizer_lock:
+            return list(self.tokenizer.convert_ids_to_tokens(list(token_ids)))
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

@@ -39,7 +39,15 @@ from kvpool.server.errors import (
 from kvpool.server.json_body import BodyError, parse_json_object
 from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
-from kvpool.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, PinRequest, chat_messages
+from kvpool.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    PinRequest,
+    TokenizeRequest,
+    chat_messages,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -310,6 +318,44 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                      "root": r.lora_path, "parent": model_name, "max_model_len": engine.max_model_len}
                     for r in loras().values()]
         return JSONResponse({"object": "list", "data": [base, *adapters]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's /tokenize: the token ids a prompt (or a chat, its template rendered) is served as."""
+        authorize(request)
+        body = await read_body(request, TokenizeRequest, max_body_bytes)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give `prompt` (text) or `messages` (a chat), one of the two", "prompt")
+        if body.messages is not None and (parts := image_parts(body.messages)):
+            where = parts[0][0]
+            raise APIError(400, f"{where}: a chat with images is not tokenized here (its image tokens come from "
+                                f"the image processor)", where)
+        llm = engine.engine
+        try:
+            if body.prompt is not None:
+                ids = await asyncio.to_thread(llm.encode, body.prompt, body.add_special_tokens)
+            else:
+                ids = await asyncio.to_thread(llm.apply_chat_template, chat_messages(body.messages),
+                                              body.add_generation_prompt)
+            strs = await asyncio.to_thread(llm.token_strs, ids) if body.return_token_strs else None
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+        except Exception as e:
+            raise template_refused(e) from None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """vLLM's /detokenize: the text of token ids (special tokens included, as vLLM decodes them)."""
+        authorize(request)
+        body = await read_body(request, DetokenizeRequest, max_body_bytes)
+        check_model(body.model)
+        try:
+            return JSONResponse({"prompt": await asyncio.to_thread(engine.engine.decode, body.tokens)})
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:

@@ -260,3 +260,25 @@ class PinRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     ttl: float | None = Field(default=None, gt=0)  # seconds; None: until DELETE /v1/pins/{id}
     cache_salt: str | None = Field(default=None, min_length=1)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's extension): a prompt's token ids, or a chat's (its template rendered)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True  # (a prompt: the tokenizer's BOS and the like, as encoding a prompt adds)
+    add_generation_prompt: bool = True  # (a chat: the assistant's turn opened, as a chat request renders it)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's extension): the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: TokenIds
