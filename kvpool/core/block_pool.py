@@ -83,6 +83,9 @@ class BlockPool:
         # block, see the V1 prefix caching PR) wait in _dups and take over if the first is evicted.
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self._dups: dict[BlockHash, list[KVCacheBlock]] = {}
+        # Blocks cached without a BlockStored (the host tier's copies landed from a KV store: their tokens are
+        # not known here): their removal publishes nothing either, so a subscriber's count never goes below 0.
+        self._unannounced: set[int] = set()
         self.events: list[KVCacheEvent] = []
         self.eviction_listeners: list[EvictionListener] = []
         self.null_block: KVCacheBlock | None = None
@@ -254,8 +257,11 @@ class BlockPool:
             if not dups:
                 del self._dups[h]
         if self.enable_kv_events:
-            self.events.append(BlockRemoved(block_hashes=[raw_hash(h, blk.group_id)], medium=self.medium,
-                                            group_id=blk.group_id))
+            if self._unannounced and blk.block_id in self._unannounced:
+                self._unannounced.discard(blk.block_id)
+            else:
+                self.events.append(BlockRemoved(block_hashes=[raw_hash(h, blk.group_id)], medium=self.medium,
+                                                group_id=blk.group_id))
         if self._observe_uncached is not None:
             self._observe_uncached(blk)
         for listener in self.eviction_listeners:
@@ -281,6 +287,7 @@ class BlockPool:
             blk.block_hash = None
         self.cached.clear()
         self._dups.clear()
+        self._unannounced.clear()
         if self.enable_kv_events:
             self.events.append(AllBlocksCleared(medium=self.medium))
 

@@ -198,11 +198,12 @@ class HostBlockPool(BlockPool):
 
     # -- sheltering ---------------------------------------------------------------------------------
 
-    def shelter(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
+    def shelter(self, block_hash: BlockHash, group_id: int = 0, announced: bool = True) -> KVCacheBlock | None:
         """Make room for a copy of a block holding `block_hash` (a key of layer group `group_id`: its
         removal events name the group and the raw hash, as the device pool's do); None if the tier
         already holds it or every host block is pinned. The returned block is pinned until the step's
-        copies run."""
+        copies run. `announced=False`: no BlockStored is published for it (a copy landed from a KV store),
+        so neither is its removal."""
         have = self.cached.get(block_hash)
         if have is not None:
             # Already here (written through, or sheltered and swapped back in): refresh it.
@@ -221,6 +222,8 @@ class HostBlockPool(BlockPool):
         blk.block_hash = block_hash
         blk.group_id = group_id
         self.cached[block_hash] = blk
+        if not announced and self.enable_kv_events:
+            self._unannounced.add(blk.block_id)
         if self.policy.observes:
             self.policy.on_cached(blk, 0, None)  # the host tier keeps no chain: no depth, no parent
         return blk

@@ -190,7 +190,7 @@ class EngineStore:
         """Write landed (key, (page type, group, payload)) pairs into host blocks of their page type."""
         by_type: dict[int, tuple[list[Any], list[bytes]]] = {}
         for key, (t, group, payload) in pairs:
-            hb = self.kv.host.pools[t].shelter(key, group)  # type: ignore[union-attr]
+            hb = self.kv.host.pools[t].shelter(key, group, announced=False)  # type: ignore[union-attr]
             if hb is None:
                 continue  # already there (landed by another read, or sheltered meanwhile), or no room
             blocks, data = by_type.setdefault(t, ([], []))
@@ -221,7 +221,8 @@ class EngineStore:
         if self.hybrid:
             self.tier.land_with(self._land_hybrid, lambda tp: self.tier.fits(tp[2], self.pages[tp[0]].nbytes))
         else:
-            self.tier.land(self.pool.shelter, self.pool.free_blocks, self.caches, self.pool.unshelter)
+            self.tier.land(lambda h: self.pool.shelter(h, announced=False), self.pool.free_blocks, self.caches,
+                           self.pool.unshelter)
         ready = []
         for rid, req in list(self._held.items()):
             if not self.tier.ready(rid):

@@ -40,8 +40,8 @@ def test_a_prompt_and_a_chat_are_the_ids_a_request_runs(server: ServerHandle) ->
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "a", "add_bos": True}, "add_bos"),
     ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
-    ("/tokenize", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[0].image_url"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[0].image_url"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens.0"),
     ("/detokenize", {"tokens": "12"}, "tokens"),

@@ -8,11 +8,12 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from kvpool.core.events import MEDIUM_STORE, BlockStored
+from kvpool.core.events import MEDIUM_STORE, BlockRemoved, BlockStored
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.server.kv_events import encode_event
@@ -190,6 +191,36 @@ def test_the_blocks_the_store_took_are_published_as_storage_events(
     quiet.engine.store.close()
 
 
+def test_the_events_of_blocks_landed_from_the_store_add_up(tiny_llama_dir: Path, tmp_path: Path,
+                                                          expected: list[list[int]]) -> None:
+    """A block landed from the store into the host tier is published as no BlockStored (its tokens are not
+    known there), so its eviction must publish no BlockRemoved: a subscriber counting stored minus removed
+    per hash went negative, and never saw the host tier's real contents."""
+    first = make(tiny_llama_dir, f"file://{tmp_path}")
+    run(first, prompts())
+    first.engine.store.close()
+    second = make(tiny_llama_dir, f"file://{tmp_path}", enable_kv_events=True)
+    counts: Counter[tuple[str, bytes]] = Counter()
+
+    def drain() -> None:
+        assert second.engine.store.tier.worker.flush(10)
+        for e in second.engine.take_kv_events():
+            if isinstance(e, BlockStored | BlockRemoved):
+                for h in e.block_hashes:
+                    counts[e.medium, h] += 1 if isinstance(e, BlockStored) else -1
+        assert min(counts.values(), default=0) >= 0, "more removed than stored"
+
+    assert [o.token_ids for o in run(second, prompts())] == expected  # landed from the store
+    assert second.engine.store.tier.blocks_landed > 0
+    drain()
+    run(second, prompts(seed=5))  # written through to the host tier: the landed copies are evicted
+    drain()
+    host = second.engine.kv.host.pools[0]  # type: ignore[union-attr]
+    assert {h for (m, h), n in counts.items() if m == "CPU" and n > 0} <= set(host.cached)
+    second.engine.kv.check_integrity()
+    second.engine.store.close()
+
+
 def test_a_store_that_is_down_publishes_no_storage_events(tiny_llama_dir: Path, redis_server: RedisServer,
                                                          expected: list[list[int]]) -> None:
     llm = make(tiny_llama_dir, redis_server.url, enable_kv_events=True)
@@ -317,7 +348,7 @@ def test_writes_queued_at_exit_reach_the_store(tiny_llama_dir: Path, tmp_path: P
     seconds at most): restarted right after, it gets those blocks back."""
     script = f"""
 import random
-from kvpool.core.events import MEDIUM_STORE, BlockStored
+from kvpool.core.events import MEDIUM_STORE, BlockRemoved, BlockStored
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
 llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", skip_tokenizer_init=True, block_size={BS}, num_blocks=64,
