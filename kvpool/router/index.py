@@ -119,10 +119,7 @@ class PrefixIndex:
         if tiers[tier] <= 0:
             del tiers[tier]
         if not tiers:
-            del holders[replica]
-            self._by_replica[replica].discard(h)
-            if not holders:
-                del self._blocks[h]
+            self._drop(replica, h)
 
     def _clear(self, replica: str) -> None:
         for h in self._by_replica.pop(replica, set()):
