@@ -44,26 +44,26 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.lock = lock  # a fast tokenizer may refuse concurrent use ("Already borrowed")
         self._streams: dict[str, list[Any]] = {}  # request id -> [DecodeStream, tokens fed to it]
-        self._contexts: dict[str, list[int]] = {}  # request id -> the prompt tokens its output is decoded after
+        # request id -> the prompt tokens its output is decoded after, and their text
+        self._contexts: dict[str, tuple[list[int], str]] = {}
 
-    def _context(self, req: Request) -> list[int]:
+    def _context(self, req: Request) -> tuple[list[int], str]:
         """The prompt's last PROMPT_CONTEXT tokens, fewer where their text holds a broken character (the
         window starting inside one, or the prompt ending inside one that the output completes): decoded after
-        those, the output's first piece would carry prompt text. Called with the lock held."""
+        those, the output's first piece would carry prompt text. With their text. Called with the lock held."""
         ctx = self._contexts.get(req.request_id)
         if ctx is None:
             tail = req.all_token_ids[max(0, req.num_prompt_tokens - PROMPT_CONTEXT):req.num_prompt_tokens]
-            ctx = next((tail[i:] for i in range(len(tail))
-                        if "\ufffd" not in self.tokenizer.decode(tail[i:], skip_special_tokens=True)), [])
+            texts = ((tail[i:], self.tokenizer.decode(tail[i:], skip_special_tokens=True)) for i in range(len(tail)))
+            ctx = next(((ids, text) for ids, text in texts if "\ufffd" not in text), ([], ""))
             self._contexts[req.request_id] = ctx
         return ctx
 
     def decode(self, req: Request) -> str:
         ids = _text_ids(req)
         with self.lock:
-            context = self._context(req)
+            context, head = self._context(req)
             whole = self.tokenizer.decode(context + ids, skip_special_tokens=True)
-            head = self.tokenizer.decode(context, skip_special_tokens=True)
             if whole.startswith(head):
                 return whole[len(head):]
             # (the context's last character completed only with the output's bytes: decoded alone)
@@ -79,7 +79,7 @@ class Detokenizer:
         state = self._streams.get(req.request_id)
         if state is None:
             with self.lock:
-                context = self._context(req)
+                context, _ = self._context(req)
             state = self._streams[req.request_id] = [DecodeStream(ids=context, skip_special_tokens=True), 0]
         stream, done = state
         ids = req.output_token_ids
