@@ -306,12 +306,12 @@ class LoRAManager:
         shapes = projection_shapes(self.arch)
         need = max_loras * max_rank * elem * len(model.layers) * sum(  # type: ignore[attr-defined,arg-type]
             len(sh.out_slices) * (sh.in_features + sh.out_slices[-1][1]) for sh in shapes.values())
-        from kvpool.runner.model_runner import physical_memory
+        from kvpool.runner.model_runner import memory_of, release_cached_memory
 
-        ram = physical_memory() if torch.device(device).type == "cpu" else None
+        ram, where = memory_of(torch.device(device))
         if ram is not None and need > ram // 2:
             raise ValueError(f"max_loras, max_lora_rank: {max_loras} adapter slots of rank {max_rank} "
-                             f"need {need / 2**30:.1f} GiB of buffers, more than half this machine's memory "
+                             f"need {need / 2**30:.1f} GiB of buffers, more than half {where} "
                              f"({ram / 2**30:.1f} GiB)")
         # name -> weights, least recently used first; at most max_cpu_loras of them once `unload_idle` ran
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -323,14 +323,19 @@ class LoRAManager:
         self._clock = 0
         self.plan: LoRAPlan | None = None
         self.num_slot_loads = 0
-        self.wrappers: list[dict[str, LoRALinear]] = []
+        failure = None
         try:
-            for layer in model.layers:  # type: ignore[attr-defined]
-                mine = {name: LoRALinear(getattr(layer, name), shapes[name], self) for name in PROJECTIONS}
-                self.wrappers.append(mine)
+            self.wrappers: list[dict[str, LoRALinear]] = [
+                {name: LoRALinear(getattr(layer, name), shapes[name], self) for name in PROJECTIONS}
+                for layer in model.layers]  # type: ignore[attr-defined]
         except (RuntimeError, MemoryError) as e:  # (torch's out-of-memory errors are RuntimeErrors)
+            failure = str(e).splitlines()[0]
+        if failure is not None:
+            # Raised outside the handler, so that no frame holding the buffers made so far stays alive with
+            # the error (on a GPU they would stay allocated, cached in this process, as long as it lives).
+            release_cached_memory(torch.device(device))
             raise ValueError(f"max_loras, max_lora_rank: {max_loras} adapter slots of rank {max_rank} could not be "
-                             f"allocated ({str(e).splitlines()[0]})") from None
+                             f"allocated ({failure})")
         for layer, mine in zip(model.layers, self.wrappers, strict=True):  # type: ignore[attr-defined]
             for name, w in mine.items():  # (only once every buffer is there: a failure leaves the model whole)
                 setattr(layer, name, w)

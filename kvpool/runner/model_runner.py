@@ -139,6 +139,22 @@ def physical_memory() -> int | None:
         return None
 
 
+def memory_of(device: torch.device) -> tuple[int | None, str]:
+    """The memory tensors on `device` come from, in bytes (None where unknown), and its name for messages:
+    the machine's for the CPU, the GPU's own for CUDA (checked before allocating: on a GPU, an allocation
+    that fails half-way leaves what it took cached in this process, out of every other's reach)."""
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return torch.cuda.get_device_properties(index).total_memory, f"cuda:{index}'s memory"
+    return (physical_memory() if device.type == "cpu" else None), "this machine's memory"
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand back what a failed allocation left in torch's CUDA cache (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
@@ -161,8 +177,8 @@ class ModelRunner:
         if batch_invariant and self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"batch_invariant: needs dtype float32 or bfloat16, got {dtype!r}")
         t0 = time.perf_counter()
-        # Batch-invariant fp32 pads plain linear layers to a fixed row count (kvpool.runner.invariant);
-        # oneDNN's packed fp32 kernels are not shown row-count invariant, so they stay unpacked there.
+        # Batch-invariant fp32 pads plain linear layers to a fixed row count, each on the kernel (oneDNN's
+        # packed or MKL's) found invariant so padded on this CPU (kvpool.runner.invariant.RowPaddedLinear).
         pack = not batch_invariant or self.dtype == torch.bfloat16
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, pack, native_kernels)
         cross_layers = getattr(self.model.arch, "cross_attention_layers", ())
@@ -258,10 +274,11 @@ class ModelRunner:
         # (kv_heads, blocks, block_size, head_dim): one head's keys of a block table gather contiguously.
         shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
         self.paged: PagedBuffers | None = None
-        ram = physical_memory() if self.device.type == "cpu" else None
+        ram, where = memory_of(self.device)
         if ram is not None and num_blocks * device_block > ram:
             raise ValueError(f"kv_cache_memory: {num_blocks} blocks ({num_blocks * device_block / 2**30:.1f} "
-                             f"GiB) are more than this machine's memory ({ram / 2**30:.1f} GiB)")
+                             f"GiB) are more than {where} ({ram / 2**30:.1f} GiB)")
+        failure = None
         try:
             if state_shapes is not None:
                 self.paged = PagedBuffers(self.layout.specs, self.layout.group_of_layer,
@@ -274,8 +291,13 @@ class ModelRunner:
                                    for _ in range(self.layout.layers_per_group)]
                 self.kv_caches = [self.kv_tensors[t] for t in self.layout.tensor_of_layer]  # per layer, shared
         except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors are RuntimeErrors
+            failure = str(e).splitlines()[0]
+        if failure is not None:
+            # (raised outside the handler: no frame holding what was allocated outlives it; see LoRARegistry)
+            self.paged = None
+            release_cached_memory(self.device)
             raise ValueError(f"kv_cache_memory: {num_blocks} blocks of {self.bytes_per_block} bytes could not be "
-                             f"allocated on {self.device} ({str(e).splitlines()[0]})") from None
+                             f"allocated on {self.device} ({failure})")
         self.num_tokens_computed = 0
         self.num_cascade_steps = 0  # steps in which some sequences attended a shared prefix together
         self.num_grouped_decode_steps = 0  # steps whose decode kernel read a shared prefix once for a group

@@ -255,12 +255,14 @@ def test_a_truncated_weights_file_is_the_model_folders_fault(tiny_llama_dir: Pat
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    # Tensors past the machine's memory: a traceback from torch's allocator, or (zeroed, so every page is
-    # touched) the kernel killing the process.
+    # Tensors past the memory of the device they go on (the machine's, or a GPU's): a traceback from torch's
+    # allocator, or (zeroed, so every page is touched) the kernel killing the process.
     (dict(swap_space="1000000TiB"), r"^swap_space: \d+ host blocks \([\d.]+ GiB\) are more than this machine's memory"),
-    (dict(num_blocks=10**13), r"^kv_cache_memory: \d+ blocks \([\d.]+ GiB\) are more than this machine's memory"),
-    (dict(enable_lora=True, max_lora_rank=10**8), r"^max_loras, max_lora_rank: 1 adapter slots of rank 100000000 "
-                                                  r"need [\d.]+ GiB of buffers, more than half this machine's memory"),
+    (dict(num_blocks=10**13),
+     r"^kv_cache_memory: \d+ blocks \([\d.]+ GiB\) are more than (this machine's|cuda:\d+'s) memory"),
+    (dict(enable_lora=True, max_lora_rank=10**8),
+     r"^max_loras, max_lora_rank: 1 adapter slots of rank 100000000 need [\d.]+ GiB of buffers, more than half "
+     r"(this machine's|cuda:\d+'s) memory"),
     (dict(enable_lora=True, max_loras=10**9), r"^max_loras, max_lora_rank: 1000000000 adapter slots"),
 ])
 def test_memory_no_machine_has_is_a_value_error(tiny_llama_dir: Path, kw: dict, message: str) -> None:
