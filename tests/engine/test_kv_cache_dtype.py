@@ -90,6 +90,8 @@ def test_tokens_do_not_depend_on_caching_chunking_tiers_or_preemption(
         (model, want), bs = request.getfixturevalue("kernel_llama"), 8
     kw = dict(SETTINGS[setting])
     kw["num_blocks"] = kw["num_blocks"] * BS // bs  # the same tokens' worth of blocks
+    if path == "kernels":
+        kw["device"] = "cpu"  # (kvpool's attention kernels are the CPU's; on a GPU torch's ops run)
     llm = LLM(str(model), dtype="float32", kv_cache_dtype="bfloat16", skip_tokenizer_init=True, block_size=bs,
               **kw)  # type: ignore[arg-type]
     runner = llm.engine.runner
@@ -110,7 +112,7 @@ def test_fp16_and_fp8_pages_on_the_kernels(kernel_llama: tuple[Path, list[list[i
         pytest.skip("this CPU lacks what kvpool's fp32 attention kernels need (AVX2 and FMA)")
     path = kernel_llama[0]
     want = hf_greedy(path, PROMPTS, N_OUT, kv_dtype=KV_DTYPES[kv_dtype])
-    llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv_dtype, skip_tokenizer_init=True, block_size=8,
+    llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv_dtype, skip_tokenizer_init=True, block_size=8, device="cpu",
               num_blocks=14, num_host_blocks=40, max_num_batched_tokens=8)
     runner = llm.engine.runner
     assert runner.decode_kernel and runner.kv_tensors[0][0].dtype == runner.host_kv_caches[0][0].dtype == \
@@ -192,5 +194,5 @@ def test_smollm2_with_a_narrow_cache_equals_transformers_rounding_its_cache(smol
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(16), use_tqdm=False)] == want
     runner = llm.engine.runner
     assert runner.kv_tensors[0][0].dtype == KV_DTYPES[kv_dtype]
-    if kernels.prefill_supported(64, 16, torch.float32):
+    if runner.device.type == "cpu" and kernels.prefill_supported(64, 16, torch.float32):
         assert runner.decode_kernel and runner.prefill_kernel and runner.kv_layout == "packed8"

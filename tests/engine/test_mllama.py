@@ -305,10 +305,11 @@ def test_a_bf16_kv_cache_equals_transformers_rounding_its_cache(mllama_dir: Path
 
 def test_long_shared_prefix_with_an_image_cascades(mllama_dir: Path) -> None:
     # Requests sharing 80 tokens and their image decode together through cascade attention over the shared
-    # self-attention blocks, each still reading its own cross-attention blocks.
+    # self-attention blocks, each still reading its own cross-attention blocks (on the CPU: a GPU runs no
+    # cascades).
     long = [IMAGE, *((7 * i + 3) % 250 + 2 for i in range(80))]
     prompts, images = [[*long, 30, 31], [*long, 40, 41, 42]], [[IMG2], [IMG2]]
-    llm = LLM(str(mllama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=300)
+    llm = LLM(str(mllama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=300, device="cpu")
     llm.generate(prompts[:1], SamplingParams.greedy(1), use_tqdm=False, mm_inputs=images[:1])
     outs = llm.generate(prompts, SamplingParams.greedy(6), use_tqdm=False, mm_inputs=images)
     assert [o.num_cached_tokens for o in outs] == [80, 80]
