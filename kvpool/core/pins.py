@@ -83,10 +83,10 @@ class PinSet:
         return [b for pin in self.pins.values() for b in pin.blocks]
 
     def pin(self, hashes: Sequence[BlockHash], *, now: float, ttl: float | None, num_tokens: int = 0,
-            source: object = None, pin_id: str | None = None) -> Pin:
+            source: object = None, pin_id: str | None = None, expires_at: float | None = None) -> Pin:
         """Pin the cached blocks holding `hashes` (a chain, head first) until `now + ttl`, under a new id
         (or `pin_id`, an id this set issued before: a pin made again after a reset keeps the id its holder
-        knows).
+        knows, and passes its `expires_at` as it was, for `now + (expires_at - now)` need not round back).
 
         Raises PrefixNotCached if any of them is not cached, ValueError if the pin would exceed the
         budget; either way nothing changes."""
@@ -103,7 +103,8 @@ class PinSet:
             raise ValueError("pin_prefix: the prefix holds no full block; nothing to pin")
         self.expire(now)
         key = tuple(hashes)
-        expires_at = None if ttl is None else now + ttl
+        if expires_at is None and ttl is not None:
+            expires_at = now + ttl
         # The budget first (by hash: a pinned block keeps its hash), so that a refused pin costs no
         # computation of the prefix.
         pinned = {b.block_hash for pin in self.pins.values() for b in pin.blocks}

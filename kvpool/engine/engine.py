@@ -596,7 +596,7 @@ class LLMEngine:
             return True
         try:
             self.pins.pin(pin.hashes, now=now, ttl=None if pin.expires_at is None else pin.expires_at - now,
-                          num_tokens=pin.num_tokens, source=pin.source, pin_id=pin.pin_id)
+                          num_tokens=pin.num_tokens, source=pin.source, pin_id=pin.pin_id, expires_at=pin.expires_at)
         except PrefixNotCached:
             return False
         return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvpool.core.hashing import BlockHasher
@@ -135,3 +137,18 @@ def test_a_pin_made_again_under_its_id_ends_by_its_own_expiry() -> None:
     assert pins.expire(10.0) == [first.pin_id] and pins.num_pinned_blocks == 0
     with pytest.raises(ValueError, match="is already pinned"):
         pins.pin(hashes(SYSTEM), now=10.0, ttl=None, pin_id=pins.pin(hashes(SYSTEM), now=10.0, ttl=None).pin_id)
+
+
+def test_a_pin_made_again_keeps_its_expiry_to_the_bit() -> None:
+    """`now + (expires_at - now)` need not round back to `expires_at`: a pin made again (after a failed step)
+    is given its expiry as it was, and keeps it exactly."""
+    mgr = KVCacheManager(12, BS)
+    run(mgr, "sys", [*SYSTEM, 1])
+    pins = pinset(mgr, 3)
+    end, now = 3814.959660635, 1544.807399587359
+    assert now + (end - now) != end  # (the premise)
+    first = pins.pin(hashes(SYSTEM), now=0.0, ttl=end)
+    pins.clear()
+    again = pins.pin(hashes(SYSTEM), now=now, ttl=end - now, pin_id=first.pin_id, expires_at=first.expires_at)
+    assert again.expires_at == first.expires_at == end
+    assert pins.expire(math.nextafter(end, 0)) == [] and pins.expire(end) == [first.pin_id]
