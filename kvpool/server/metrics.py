@@ -41,6 +41,8 @@ class ServerMetrics:
         self.success = Counter("kvpool:request_success", "Requests finished, by reason.",
                                ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        for reason in ("stop", "length", "abort"):  # every series from the start, at 0 (as vLLM's): a
+            self.success.labels(model_name=model_name, finished_reason=reason)  # rate over a gap is then 0
         self.ttft = histogram("kvpool:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("kvpool:inter_token_latency_seconds", "Time between two output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("kvpool:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
