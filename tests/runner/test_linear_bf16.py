@@ -48,7 +48,7 @@ def test_bits_equal_the_instruction_emulated(m: int, k: int, n: int, bias: bool)
 def test_packed_linear_runs_it_on_any_leading_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(33, 20, generator=g).to(torch.bfloat16)
-    assert not PackedLinear(w, None).own  # oneDNN's unless asked for
+    assert not PackedLinear(w, None).own  # oneDNN's where it is row-count invariant (this small shape: always)
     monkeypatch.setenv("KVPOOL_BF16_LINEAR", "kvpool")
     assert not PackedLinear(w, None, native=False).own  # the engine's native_kernels=False: torch's kernels only
     lin = PackedLinear(w, None)
@@ -59,9 +59,53 @@ def test_packed_linear_runs_it_on_any_leading_shape(monkeypatch: pytest.MonkeyPa
     assert torch.equal(y.reshape(14, 33), emulate(x.reshape(14, 20), w, None))
 
 
+def test_a_shape_onednn_sums_by_row_count_runs_on_kvpools_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN's bf16 kernel gives a row other bits at some row counts (AMX tiles on an Intel Xeon, for
+    the vocabulary's shape), the probe says so and kvpool's kernel runs that shape; a forced choice is kept."""
+    from kvpool.runner import invariant
+
+    seen: list[tuple] = []
+
+    def not_invariant(linear, in_features, dtype, key):  # type: ignore[no-untyped-def]
+        seen.append(key)
+        return False
+
+    monkeypatch.setattr("kvpool.runner.models.llama.rows_invariant", not_invariant)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 24, generator=g).to(torch.bfloat16)
+    lin = PackedLinear(w, None)
+    assert lin.own and seen == [("onednn", 48, 24, False)]
+    x = torch.randn(5, 24, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin(x), emulate(x, w, None))
+    for forced, own in (("onednn", False), ("kvpool", True)):
+        monkeypatch.setenv("KVPOOL_BF16_LINEAR", forced)
+        assert PackedLinear(w, None).own is own
+    assert len(seen) == 1  # (a forced choice is not probed)
+    assert invariant.rows_invariant(lambda t: t @ w.T, 24, torch.bfloat16, key="test-matmul")
+
+
+def test_the_probe_finds_a_row_count_switch() -> None:
+    """A 'kernel' that sums in another order above 16 rows (fp64 then rounded, against fp32) is caught; one
+    whose rows depend on their position in the call too; and a plain row-wise one passes."""
+    from kvpool.runner.invariant import rows_invariant
+
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+
+    def switches(x: torch.Tensor) -> torch.Tensor:
+        return (x.double() @ w.double().T).float() if x.shape[0] > 16 else x @ w.T
+
+    def by_position(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w.T
+        return torch.cat([y[:-1], y[-1:].double().mul(1 + 1e-7).float()])
+
+    assert not rows_invariant(switches, 96, torch.float32, key="test-switches")
+    assert not rows_invariant(by_position, 96, torch.float32, key="test-position")
+    assert rows_invariant(lambda x: torch.stack([r @ w.T for r in x]), 96, torch.float32, key="test-rowwise")
+
+
 def test_an_unknown_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_BF16_LINEAR", "mkl")
-    with pytest.raises(ValueError, match="KVPOOL_BF16_LINEAR: 'mkl' is neither 'kvpool' nor 'onednn'"):
+    with pytest.raises(ValueError, match="KVPOOL_BF16_LINEAR: 'mkl' is none of 'auto', 'kvpool', 'onednn'"):
         PackedLinear(torch.ones(4, 4, dtype=torch.bfloat16), None)
 
 

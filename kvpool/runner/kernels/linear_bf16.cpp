@@ -1,5 +1,6 @@
 // The bf16 linear layers of a bf16 model (y = x W^T + b) on AVX-512 BF16's dot-product instruction, chosen
-// with KVPOOL_BF16_LINEAR=kvpool (kvpool.runner.models.llama.PackedLinear; oneDNN's is the default).
+// where oneDNN's is not row-count invariant, or everywhere with KVPOOL_BF16_LINEAR=kvpool (see
+// kvpool.runner.models.llama.PackedLinear).
 //
 // Why have it: at a decode step's row counts (tens of rows) oneDNN splits SmolLM2's narrow projections (576
 // and 960 outputs) unevenly over two threads: 64 rows ran its q/k/v and attention-output projections at

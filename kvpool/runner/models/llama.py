@@ -8,6 +8,7 @@ three and two. Weight names are the Hugging Face ones, so a transformers checkpo
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.runner.attention import AttentionMetadata, paged_attention
+from kvpool.runner.invariant import rows_invariant
 from kvpool.runner.models.registry import register_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,22 +102,34 @@ class PackedLinear(nn.Module):
     64-row decode step where oneDNN's packed fp32 kernel took 32. Used on the CPU wherever oneDNN packs the
     model's dtype.
 
-    KVPOOL_BF16_LINEAR=kvpool (bf16, a CPU with AVX-512 BF16): kvpool's own kernel instead
-    (`kernels/linear_bf16.cpp`). On a 2-core Zen 4 it made SmolLM2's decode-heavy bench ~4% faster (64-row
-    steps: oneDNN splits the narrow projections unevenly over the threads) and its prompt-heavy default shape
-    ~2% slower (oneDNN is a little faster at thousands of rows): a trade, so not the default (docs/benchmarks.md,
-    session 24). Both give a row the same bits whatever the row count.
+    bf16 on a CPU with AVX-512 BF16: oneDNN's kernel where it gives each row the same bits whatever the row
+    count (checked once per shape at load: `invariant.rows_invariant`), else kvpool's own
+    (`kernels/linear_bf16.cpp`, invariant by construction): on an Intel Xeon with AMX, oneDNN's vocabulary
+    projection summed 24-256 rows in another order than fewer, so prefix hits and chunking changed bf16 tokens.
+    KVPOOL_BF16_LINEAR=kvpool or =onednn forces either. On a 2-core Zen 4 kvpool's kernel made SmolLM2's
+    decode-heavy bench ~4% faster (64-row steps: oneDNN splits the narrow projections unevenly over the
+    threads) and its prompt-heavy default shape ~2% slower (oneDNN is a little faster at thousands of rows):
+    a trade, so oneDNN stays the default where it is invariant (docs/benchmarks.md, session 24).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: bool = True) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
         # `native` False (the engine's native_kernels=False): torch's own kernels only, oneDNN's here.
-        self.own = native and weight.dtype == torch.bfloat16 and _own_bf16_linear()
+        choice = _bf16_linear_choice() if native and weight.dtype == torch.bfloat16 else "onednn"
+        self.own = choice == "kvpool"
         w = weight.detach()
-        packed = torch.ops.kvpool.pack_linear_bf16(w) if self.own else torch.ops.mkldnn._reorder_linear_weight(w, None)
-        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("packed", self._pack(w), persistent=False)
         self.bias = bias
+        if choice == "auto" and not rows_invariant(self, w.shape[1], w.dtype,
+                                                   key=("onednn", *w.shape, bias is not None)):
+            log.info("oneDNN's bf16 linear of shape %s is not row-count invariant on this CPU: kvpool's kernel "
+                     "runs it", tuple(w.shape))
+            self.own = True
+            self.packed = self._pack(w)
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvpool.pack_linear_bf16(w) if self.own else torch.ops.mkldnn._reorder_linear_weight(w, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own:
@@ -121,15 +137,15 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _own_bf16_linear() -> bool:
-    """Whether bf16 linear layers run on kvpool's kernel (KVPOOL_BF16_LINEAR=kvpool; see PackedLinear), which
-    needs the kernels built here with AVX-512 BF16."""
+def _bf16_linear_choice() -> str:
+    """Which kernel runs bf16 linear layers: "kvpool" or "onednn" (KVPOOL_BF16_LINEAR, or oneDNN's where
+    kvpool's kernels cannot run: they need AVX-512 BF16), else "auto" (see PackedLinear)."""
     from kvpool.runner import kernels
 
-    choice = os.environ.get("KVPOOL_BF16_LINEAR", "onednn")
-    if choice not in ("kvpool", "onednn"):
-        raise ValueError(f"KVPOOL_BF16_LINEAR: {choice!r} is neither 'kvpool' nor 'onednn'")
-    return choice == "kvpool" and kernels.linear_bf16_supported()
+    choice = os.environ.get("KVPOOL_BF16_LINEAR", "auto")
+    if choice not in ("kvpool", "onednn", "auto"):
+        raise ValueError(f"KVPOOL_BF16_LINEAR: {choice!r} is none of 'auto', 'kvpool', 'onednn'")
+    return choice if kernels.linear_bf16_supported() else "onednn"
 
 
 @functools.cache
