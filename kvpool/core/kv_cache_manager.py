@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from kvpool.core.block import KVCacheBlock
 from kvpool.core.block_pool import AllocationPlan, BlockPool, DeviceBlockPool, TierPool
 from kvpool.core.events import KVCacheEvent
+from kvpool.core.hit_rules import GroupRule, rule_of
 from kvpool.core.host_pool import HostBlockPool
 from kvpool.core.host_tier import HostTier, split_host_pages
 from kvpool.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
@@ -146,6 +147,11 @@ class KVCacheManager:
                                  write_through=write_through, block_size=block_size)
             for g, m in enumerate(self.managers):
                 m.host_cached = self.host.pools[self.page_type[g]].cached
+
+    @property
+    def hit_rules(self) -> tuple[GroupRule, ...]:
+        """What a prefix hit needs from each group, for routers (`kvpool.core.hit_rules`)."""
+        return tuple(rule_of(m.spec) for m in self.managers)
 
     @property
     def host_pool(self) -> HostBlockPool | None:

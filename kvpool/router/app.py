@@ -46,7 +46,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
 
+from kvpool.core import hit_rules
 from kvpool.core.hashing import BlockHasher
+from kvpool.core.hit_rules import GroupRule
 from kvpool.core.request import CacheRequest
 from kvpool.router.admin import WATCH_POLL_S, add_admin_routes, forward_headers, while_up
 from kvpool.router.index import DEFAULT_MAX_STORE_BLOCKS, PrefixIndex, RoutedIndex
@@ -121,6 +123,10 @@ class Replica:
     downs: int = 0
     subscriber: EventSubscriber | None = None
     instance: str | None = None  # the id of its KV-event stream, as its /health last told it
+    # What a prefix hit needs from each of its layer groups, as its /health last told it (a kvpool replica;
+    # None: unknown, a hash held by any group counts; see kvpool.core.hit_rules).
+    kv_groups: tuple[GroupRule, ...] | None = None
+    bad_kv_groups: str | None = None  # the last header it sent that could not be read (logged once)
 
     @property
     def name(self) -> str:
@@ -323,6 +329,23 @@ class Router:
                         self.metrics.healthy.labels(rep.name).set(1 if rep.healthy else 0)
                 self._stop.wait(self.health_interval_s)
 
+    def _rules(self, names: list[str]) -> dict[str, tuple[GroupRule, ...] | None]:
+        return {n: self.replicas[n].kv_groups for n in names}
+
+    @staticmethod
+    def _kv_groups(rep: Replica, header: str | None) -> tuple[GroupRule, ...] | None:
+        """The replica's hit rules from its /health header (None: it sends none, or one this router cannot
+        read, which is logged once per distinct header)."""
+        if header is None:
+            return None
+        try:
+            return hit_rules.parse(header)
+        except ValueError as e:
+            if header != rep.bad_kv_groups:
+                log.warning("router: replica %s: %s; a hash any group holds counts as cached", rep.name, e)
+                rep.bad_kv_groups = header
+            return None
+
     def _check(self, client: httpx.Client, rep: Replica) -> None:
         polled_at = time.monotonic()  # before the request: a completion during it makes the poll stale
         instance = None
@@ -330,6 +353,8 @@ class Router:
             health = client.get(f"{rep.name}/health")
             ok = health.status_code == 200
             instance = health.headers.get("kvpool-instance") if ok else None
+            if ok:
+                rep.kv_groups = self._kv_groups(rep, health.headers.get(hit_rules.HEADER))
             text = client.get(f"{rep.name}/metrics").text if ok else ""
             answered = True
         except httpx.TimeoutException:
@@ -444,10 +469,10 @@ class Router:
             # what matters for the choice is the relative length, so all full blocks are compared.
             if self.policy == "round-robin":
                 name = cands[self._rr % len(cands)]
-                matched = self.index.match(hashes, [name])[name][0] if hashes else 0
+                matched = self.index.match(hashes, [name], self._rules([name]))[name][0] if hashes else 0
                 reason = "round-robin"
             else:
-                matched_all = self.index.match(hashes, cands) if hashes else {}
+                matched_all = self.index.match(hashes, cands, self._rules(cands)) if hashes else {}
                 for n in cands:
                     rep = self.replicas[n]
                     approx = (self.routed.match(key.sticky, n, now) if key.sticky is not None

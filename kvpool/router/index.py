@@ -2,8 +2,11 @@
 
 Two sources, one per kind of replica:
 - `PrefixIndex`, fed by a replica's KV events (vLLM's wire format, `kvpool.server.kv_events`). Stored and
-  removed are counted per (replica, tier, hash), so a stream that reports every copy (vLLM's shape) and one
-  that reports only the first and last copy (kvpool's older shape) both end at the right set.
+  removed are counted per (replica, tier, layer group, hash), so a stream that reports every copy (vLLM's
+  shape) and one that reports only the first and last copy (kvpool's older shape) both end at the right set.
+  For a replica whose groups' hit rules are known (a kvpool replica says them on /health), a match is the
+  longest prefix every group serves (`kvpool.core.hit_rules`): a hybrid model's window or state blocks
+  evicted before its full-attention chain end the hit there; otherwise a hash held by any group counts.
 - `RoutedIndex`, the approximate index: the hashes of the requests the router itself sent to a replica,
   remembered for a while. It is the whole picture for a replica that publishes no events, and for a
   replica that does it covers the gap between routing a request and its BlockStored arriving (so a burst
@@ -21,8 +24,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+from kvpool.core.hit_rules import GroupRule, longest_servable
 
 STORE = "*store*"
 # ~600 bytes of index per hash: the store's part of the index stays under ~300 MB.
@@ -35,11 +40,12 @@ class PrefixIndex:
         if max_store_blocks < 1:
             raise ValueError(f"max_store_blocks: must be >= 1, got {max_store_blocks}")
         self._lock = threading.Lock()
-        # hash -> replica -> Counter(tier -> copies)
-        self._blocks: dict[bytes, dict[str, Counter[str]]] = {}
+        # hash -> replica -> Counter((tier, group) -> copies)
+        self._blocks: dict[bytes, dict[str, Counter[tuple[str, int]]]] = {}
         self._by_replica: dict[str, set[bytes]] = {}
         self.max_store_blocks = max_store_blocks
-        self._store_order: OrderedDict[bytes, None] = OrderedDict()  # the store's hashes, least recent first
+        # the store's (hash, group) entries, least recently stored first
+        self._store_order: OrderedDict[tuple[bytes, int], None] = OrderedDict()
         self.events_applied = 0
 
     def __len__(self) -> int:
@@ -51,7 +57,7 @@ class PrefixIndex:
     def apply(self, replica: str, events: Iterable[dict[str, Any]]) -> None:
         """Apply one batch of decoded events (dicts with a "type") from `replica`, whole or not at all: a
         ValueError names the first malformed field, and nothing of the batch is applied."""
-        ops: list[tuple[str, str, list[bytes], str]] = []  # (type, owner, hashes, tier)
+        ops: list[tuple[str, str, list[bytes], str, int]] = []  # (type, owner, hashes, tier, group)
         for e in events:
             kind = e.get("type")
             if kind in ("BlockStored", "BlockRemoved"):
@@ -61,19 +67,22 @@ class PrefixIndex:
                 hashes = e.get("block_hashes")
                 if not isinstance(hashes, list | tuple):
                     raise ValueError(f"block_hashes: must be a list, got {type(hashes).__name__}")
-                ops.append((kind, STORE if tier == "STORAGE" else replica, [_key(h) for h in hashes], tier))
+                group = e.get("group_idx") or 0
+                if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+                    raise ValueError(f"group_idx: must be an int >= 0, got {group!r}")
+                ops.append((kind, STORE if tier == "STORAGE" else replica, [_key(h) for h in hashes], tier, group))
             elif kind == "AllBlocksCleared":
-                ops.append((kind, replica, [], ""))
+                ops.append((kind, replica, [], "", 0))
             else:
-                ops.append(("", replica, [], ""))  # a kind this router does not use
+                ops.append(("", replica, [], "", 0))  # a kind this router does not use
         with self._lock:
-            for kind, owner, hashes, tier in ops:
+            for kind, owner, hashes, tier, group in ops:
                 if kind == "BlockStored":
                     for h in hashes:
-                        self._add(owner, h, tier)
+                        self._add(owner, h, tier, group)
                 elif kind == "BlockRemoved":
                     for h in hashes:
-                        self._remove(owner, h, tier)
+                        self._remove(owner, h, tier, group)
                 elif kind == "AllBlocksCleared":
                     self._clear(replica)
                 self.events_applied += 1
@@ -83,43 +92,47 @@ class PrefixIndex:
         with self._lock:
             self._clear(replica)
 
-    def _add(self, replica: str, h: bytes, tier: str) -> None:
+    def _add(self, replica: str, h: bytes, tier: str, group: int = 0) -> None:
         if replica == STORE:
-            # One copy per hash: a store holds a key once however many replicas wrote it, and removes it
-            # without an event, so counting writes would keep it here forever.
-            self._store_order[h] = None
-            self._store_order.move_to_end(h)
-            self._blocks.setdefault(h, {})[STORE] = Counter({tier: 1})
+            # One copy per hash and group: a store holds a key once however many replicas wrote it, and
+            # removes it without an event, so counting writes would keep it here forever.
+            self._store_order[h, group] = None
+            self._store_order.move_to_end((h, group))
+            self._blocks.setdefault(h, {}).setdefault(STORE, Counter())[tier, group] = 1
             self._by_replica.setdefault(STORE, set()).add(h)
             if len(self._store_order) > self.max_store_blocks:
-                old, _ = self._store_order.popitem(last=False)
-                self._drop(STORE, old)
+                (old, old_group), _ = self._store_order.popitem(last=False)
+                self._uncount(STORE, old, lambda key: key[1] == old_group)
             return
-        self._blocks.setdefault(h, {}).setdefault(replica, Counter())[tier] += 1
+        self._blocks.setdefault(h, {}).setdefault(replica, Counter())[tier, group] += 1
         self._by_replica.setdefault(replica, set()).add(h)
 
-    def _drop(self, replica: str, h: bytes) -> None:
-        """`replica` holds `h` no more, in any tier."""
+    def _uncount(self, replica: str, h: bytes, which: Callable[[tuple[str, int]], bool]) -> None:
+        """Forget `replica`'s copies of `h` whose (tier, group) `which` names; the hash goes once none is left."""
         holders = self._blocks.get(h)
-        if holders is not None and holders.pop(replica, None) is not None:
+        copies = holders.get(replica) if holders is not None else None
+        if copies is None:
+            return
+        for key in [k for k in copies if which(k)]:
+            del copies[key]
+        if not copies:
+            del holders[replica]  # type: ignore[union-attr]
             self._by_replica[replica].discard(h)
             if not holders:
                 del self._blocks[h]
 
-    def _remove(self, replica: str, h: bytes, tier: str) -> None:
+    def _remove(self, replica: str, h: bytes, tier: str, group: int = 0) -> None:
         holders = self._blocks.get(h)
         if holders is None or replica not in holders:
             return
         if replica == STORE:
-            self._store_order.pop(h, None)
-            self._drop(STORE, h)
+            self._store_order.pop((h, group), None)
+            self._uncount(STORE, h, lambda key: key[1] == group)
             return
-        tiers = holders[replica]
-        tiers[tier] -= 1
-        if tiers[tier] <= 0:
-            del tiers[tier]
-        if not tiers:
-            self._drop(replica, h)
+        copies = holders[replica]
+        copies[tier, group] -= 1
+        if copies[tier, group] <= 0:
+            self._uncount(replica, h, lambda key: key == (tier, group))
 
     def _clear(self, replica: str) -> None:
         for h in self._by_replica.pop(replica, set()):
@@ -129,25 +142,41 @@ class PrefixIndex:
                 if not holders:
                     del self._blocks[h]
 
-    def match(self, hashes: Sequence[bytes], replicas: Sequence[str]) -> dict[str, tuple[int, float]]:
+    def match(self, hashes: Sequence[bytes], replicas: Sequence[str],
+              rules: Mapping[str, Sequence[GroupRule] | None] | None = None) -> dict[str, tuple[int, float]]:
         """Per replica: (blocks of the longest cached prefix, the same weighted by tier). The store's
-        blocks extend every replica's prefix."""
+        blocks extend every replica's prefix. `rules`: the replicas whose groups' hit rules are known (see
+        the module doc); the weight is then that of the first group's copies."""
         out: dict[str, tuple[int, float]] = {}
         with self._lock:
-            blocks = self._blocks
             for r in replicas:
-                n, w = 0, 0.0
-                for h in hashes:
-                    holders = blocks.get(h)
-                    if holders is None:
-                        break
-                    tiers = holders.get(r) or holders.get(STORE)
-                    if not tiers:
-                        break
-                    n += 1
-                    w += max(TIER_WEIGHTS.get(t, 0.5) for t in tiers)
-                out[r] = (n, w)
+                rule = rules.get(r) if rules else None
+                out[r] = self._match_grouped(hashes, r, rule) if rule else self._match_any(hashes, r)
         return out
+
+    def _match_any(self, hashes: Sequence[bytes], r: str) -> tuple[int, float]:
+        n, w = 0, 0.0
+        for h in hashes:
+            holders = self._blocks.get(h)
+            if holders is None:
+                break
+            copies = holders.get(r) or holders.get(STORE)
+            if not copies:
+                break
+            n += 1
+            w += max(TIER_WEIGHTS.get(t, 0.5) for t, _ in copies)
+        return n, w
+
+    def _match_grouped(self, hashes: Sequence[bytes], r: str, rules: Sequence[GroupRule]) -> tuple[int, float]:
+        blocks = self._blocks
+
+        def copies(i: int) -> list[tuple[str, int]]:
+            holders = blocks.get(hashes[i])
+            return [] if holders is None else [k for who in (r, STORE) for k in holders.get(who, ())]
+
+        n = longest_servable(len(hashes), lambda g, i: any(group == g for _, group in copies(i)), rules)
+        # A block some group reads is worth its best copy; one no group needs (before a window) is free.
+        return n, sum(max((TIER_WEIGHTS.get(t, 0.5) for t, _ in copies(i)), default=1.0) for i in range(n))
 
 
 class RoutedIndex:

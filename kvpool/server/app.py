@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvpool.core import hit_rules
 from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from kvpool.engine.lora_request import LoRARequest
@@ -124,9 +125,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                kv_events_instance: str | None = None) -> FastAPI:
     """`kv_events_instance`: the id of the replica's KV-event stream, told on /health (header
     `kvpool-instance`) so that a router polling it sees a restart even when the new stream's first
-    batches are lost (the id changes with every process)."""
+    batches are lost (the id changes with every process). /health also says what a hit needs from each
+    layer group (header `kvpool-kv-groups`)."""
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    # What a prefix hit needs from each layer group, also told on /health: a router indexing this replica's
+    # KV events finds the prefix every group can serve (kvpool.core.hit_rules).
+    kv_groups = hit_rules.encode(engine.engine.kv.hit_rules)
     media = media or MediaOptions()
 
     add_error_handlers(app)
@@ -229,7 +234,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     async def health() -> Response:
         if not engine.is_alive:
             return APIError(503, "the engine is not running").response()
-        headers = {"kvpool-instance": kv_events_instance} if kv_events_instance else None
+        headers = {hit_rules.HEADER: kv_groups}
+        if kv_events_instance:
+            headers["kvpool-instance"] = kv_events_instance
         return JSONResponse({"status": "ok"}, headers=headers)
 
     @app.get("/metrics")
