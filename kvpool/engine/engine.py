@@ -470,9 +470,17 @@ class LLMEngine:
                              "skip_tokenizer_init=True); use stop_token_ids")
         prompt = normalize_prompt(prompt)
         lora_name = lora_content = None
+        if lora_request is not None and lora_id is not None:
+            raise ValueError("lora_request: give lora_request or lora_id, not both")
+        if lora_id is not None:
+            # An adapter registered before (add_lora, --lora-modules), by its name or int id: it runs. (A bare
+            # cache key once ran the base model under the adapter's name.)
+            name = None if self.loras is None else self.loras.name_of(lora_id)
+            lora_request = None if name is None else self.loras.requests.get(name)  # type: ignore[union-attr]
+            if lora_request is None:
+                raise ValueError(f"lora_id: no adapter {lora_id!r} is registered (add_lora first, or pass "
+                                 "lora_request)")
         if lora_request is not None:
-            if lora_id is not None:
-                raise ValueError("lora_request: give lora_request or lora_id, not both")
             self._register_lora(lora_request)
             # Its blocks are hashed under the adapter's name and the digest of its files.
             lora_name = lora_id = lora_request.lora_name

@@ -57,7 +57,13 @@ _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:se
                      r"(?:\.[\w-]+)?\.weight$")
 # Config fields that change the forward in ways this runner does not compute: refused, never ignored.
 _UNSUPPORTED_FIELDS = ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters",
-                       "layer_replication", "use_qalora", "alora_invocation_tokens", "arrow_config")
+                       "layer_replication", "use_qalora", "alora_invocation_tokens", "arrow_config", "kasa_config",
+                       "monteclora_config", "use_bdlora")
+# Initialisations after which peft rewrites the base weights when it loads the adapter (W - scaling B0 A0: the
+# adapter's weights are a residual of the base's principal components, or of its quantization error):
+# served on the unmodified base, such an adapter gives other tokens than peft. peft converts one into a plain
+# LoRA (`save_pretrained(..., path_initial_model_for_weight_conversion=...)`).
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,11 @@ def load_adapter(name: str, path: str | Path, arch: Any, *, max_rank: int, dtype
     for key in _UNSUPPORTED_FIELDS:
         if cfg.get(key):
             raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise ValueError(f"{where}: init_lora_weights={init!r} is not supported: peft rewrites the base model's "
+                         "weights when it loads such an adapter; convert it into a plain LoRA first "
+                         "(peft's save_pretrained with path_initial_model_for_weight_conversion)")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias={cfg['bias']!r} is not supported (only 'none')")
     r_default, alpha, rslora, rank_pattern, alpha_pattern = _checked_config(cfg, where)

@@ -140,6 +140,31 @@ def test_an_adapter_removed_frees_its_weights_and_slot_and_comes_back_to_its_blo
     assert eng.kv.usage == 0
 
 
+def test_lora_id_runs_the_registered_adapter_it_names(tiny_llama_dir: Path, adapters: dict[str, Path],
+                                                     expected: dict[str | None, list[list[int]]]) -> None:
+    """`add_request(lora_id=...)` by name or int id runs that adapter (it once ran the base model, its blocks
+    keyed as the adapter's); one not registered is refused."""
+    llm = tiny_llm(tiny_llama_dir)
+    eng = llm.engine
+    lora = requests(adapters)["attn"]
+    assert eng.add_lora(lora)
+    sp = SamplingParams.greedy(N_OUT)
+    reqs = [eng.add_request(PROMPTS[0], sp, lora_id="attn"), eng.add_request(PROMPTS[1], sp, lora_id=lora.lora_int_id)]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [r.lora_name for r in reqs] == ["attn", "attn"]
+    assert [r.output_token_ids for r in reqs] == expected["attn"][:2]
+    for bad in ("all", 99):
+        with pytest.raises(ValueError, match=rf"^lora_id: no adapter {bad!r} is registered"):
+            eng.add_request(PROMPTS[0], sp, lora_id=bad)
+    with pytest.raises(ValueError, match=r"^lora_request: give lora_request or lora_id, not both"):
+        eng.add_request(PROMPTS[0], sp, lora_id="attn", lora_request=lora)
+    plain = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=32, block_size=BLOCK)
+    with pytest.raises(ValueError, match=r"^lora_id: no adapter 'attn' is registered"):
+        plain.engine.add_request(PROMPTS[0], sp, lora_id="attn")
+    assert eng.kv.usage == 0
+
+
 def test_past_max_cpu_loras_idle_adapters_are_unloaded_and_reloaded_when_asked_for(
         tiny_llama_dir: Path, adapters: dict[str, Path], expected: dict[str | None, list[list[int]]],
         tmp_path: Path) -> None:
@@ -291,6 +316,17 @@ def test_bad_adapters_are_refused(tiny_llama_dir: Path, adapters: dict[str, Path
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     refused(LoRARequest("dora", 5, str(dora)), "use_dora")
+    # Adapters peft loads by rewriting the base weights (a PiSSA adapter served on the plain base gave other
+    # tokens than peft), and variants peft computes otherwise: refused by name.
+    for i, (field, value, words) in enumerate([
+            ("init_lora_weights", "pissa", ("init_lora_weights='pissa'", "rewrites the base model's weights")),
+            ("init_lora_weights", "pissa_niter_4", ("pissa_niter_4",)), ("init_lora_weights", "olora", ("olora",)),
+            ("init_lora_weights", "corda", ("corda",)), ("init_lora_weights", "loftq", ("loftq",)),
+            ("kasa_config", {"r": 4}, ("kasa_config",)), ("use_bdlora", True, ("use_bdlora=True",))]):
+        variant = tmp_path / f"variant{i}"
+        shutil.copytree(adapters["attn"], variant)
+        (variant / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
+        refused(LoRARequest(f"variant{i}", 100 + i, str(variant)), *words, "not supported")
     narrow = make_tiny_model(tmp_path / "narrow", "LlamaConfig", "LlamaForCausalLM", vocab_size=TINY_VOCAB,
                              hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2)
