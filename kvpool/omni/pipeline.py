@@ -122,6 +122,11 @@ class Pipeline:
         self.seed = seed
         self.connectors: list[Connector | None] = [None] * (len(stages) - 1)
         self.max_model_len, self._bound_by = self._longest_request()
+        if self.max_model_len < 2:  # not even a one-token prompt and one token to generate
+            mt = next(c.sampling.max_tokens for c in self.configs if c.name == self._bound_by)
+            raise ValueError(f"max_tokens: the {self._bound_by} stage's max_tokens ({mt}) leaves the pipeline a "
+                             f"context of {self.max_model_len} tokens, and a request needs at least 2 (a prompt "
+                             f"token and one to generate); lower it or give that stage a longer max_model_len")
 
     def _longest_request(self) -> tuple[int, str]:
         """The most tokens (prompt + max_tokens) of a first-stage request that every stage holds, and the stage

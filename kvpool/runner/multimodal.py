@@ -51,7 +51,9 @@ def numeric_tensor(value: Any, name: str) -> torch.Tensor:
         raise ValueError(f"mm_inputs: {name} must be an array of numbers: {e}") from None
     if t.dtype == torch.bool or t.is_complex():
         raise ValueError(f"mm_inputs: {name} must be an array of numbers, got dtype {t.dtype}")
-    return t.detach().cpu()
+    # A copy the request owns: the caller may reuse its buffer once the request is made, and what the
+    # request was hashed under (its blocks, its encoder-cache entry) must be what it computes from.
+    return t.detach().to("cpu", copy=True)
 
 
 def finite(t: torch.Tensor, name: str) -> torch.Tensor:

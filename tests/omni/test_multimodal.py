@@ -72,6 +72,27 @@ def test_straddling_image_hits_its_first_block_and_the_encoder_cache(tiny_llama_
     eng.kv.check_integrity()
 
 
+def test_a_buffer_the_caller_reuses_after_adding_changes_nothing(tiny_llama_dir: Path) -> None:
+    """The request keeps its own copy of the pixels (a tensor or an array) and of the embeddings: a caller
+    that reuses its buffer for the next input once the request is made must not make it compute from the new
+    input under the old one's hash (its blocks and encoder-cache entry then served the old input's requests
+    the new input's output)."""
+    prompt = [P] * 4 + [5, 6, 7, 8, 9]
+    embeds = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    cases = [(ImageInput, image(0), image(1)), (ImageInput, image(0).numpy(), image(1).numpy()),
+             (EmbedsInput, embeds, embeds + 1)]
+    for kind, first, second in cases:
+        eng = engine(tiny_llama_dir)
+        buf = first.copy() if isinstance(first, np.ndarray) else first.clone()
+        eng.add_request(prompt, SamplingParams.greedy(4), mm_inputs=[kind(0, buf)])
+        buf[...] = second  # the caller's next input, in the same buffer
+        while eng.has_unfinished_requests():
+            eng.step()
+        later = run(eng, [*prompt, 10], [kind(0, first)])
+        assert later.num_cached_tokens == 8, kind
+        assert same(later, run(engine(tiny_llama_dir, caching=False), [*prompt, 10], [kind(0, first)])), kind
+
+
 def test_an_image_inside_the_hit_needs_no_encoder(tiny_llama_dir: Path) -> None:
     eng = engine(tiny_llama_dir, encoder_cache_size="1b")  # the cache keeps nothing
     run(eng, [P, P, P, P, 20, 21], [ImageInput(0, image(0))])

@@ -136,6 +136,15 @@ def test_stage_config_is_checked(tiny_llama_dir: Path) -> None:
                                                                      dtype="float16", batch_invariant=True))])
 
 
+def test_a_talker_whose_answer_fills_its_context_is_refused_at_build(tiny_llama_dir: Path, talker_dir: Path) -> None:
+    """A talker max_tokens past its own context left the pipeline a negative context: it was built, and every
+    request refused with a message blaming the prompt."""
+    with pytest.raises(ValueError, match=r"^max_tokens: the talker stage's max_tokens \(5000\) leaves the pipeline "
+                                         r"a context of -\d+ tokens, and a request needs at least 2"):
+        reference_pipeline(str(tiny_llama_dir), str(talker_dir), thinker_tokens=6, talker_tokens=5000, layer=0,
+                           dtype="float32", thinker_engine=dict(skip_tokenizer_init=True, num_blocks=32))
+
+
 def test_batch_invariance_is_what_makes_it_exact(tiny_llama_dir: Path, talker_dir: Path) -> None:
     # Without batch-invariant kernels the thinker's rows for the same tokens differ in the last bits
     # between a prefix hit and a recomputation: the stage-output cache alone is not enough. fp32, whose
