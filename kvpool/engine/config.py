@@ -122,6 +122,9 @@ class RunnerConfig:
                         choices=("auto", "bfloat16", "float32", "float16"))
     device: str | None = option(None, "cpu or cuda (default: cuda when present)")
     skip_tokenizer_init: bool = False
+    generation_config: str = option("auto", "sampling defaults (temperature, top_p, top_k) for requests that do "
+                                    "not set them: auto, the model's generation_config.json (as vLLM); vllm, "
+                                    "kvpool's own (temperature 1, no top-p or top-k)", choices=("auto", "vllm"))
     # Omni stages: collect per-token outputs (final hidden states, plus the residual stream after each of
     # `stage_output_layers`) for every request; cached beside the KV blocks when prefix caching is on.
     stage_outputs: bool = False

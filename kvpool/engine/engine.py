@@ -28,6 +28,7 @@ from kvpool.core.pins import Pin, PinSet, PrefixNotCached
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.core.stats import PrefixCacheStats
 from kvpool.engine.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig, parse_size
+from kvpool.engine.generation_defaults import read_defaults
 from kvpool.engine.lora_request import LoRARegistry, LoRARequest
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.prompts import normalize_prompt
@@ -62,7 +63,11 @@ def _eos_ids(model_dir: Any, tokenizer: Any = None) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         f = model_dir / name
         if f.is_file():
-            v = json.loads(f.read_text()).get("eos_token_id")
+            try:
+                data = json.loads(f.read_text())
+            except ValueError as e:
+                raise ValueError(f"model: {f} is not valid JSON ({e})") from None
+            v = data.get("eos_token_id") if isinstance(data, dict) else None
             if v is not None:
                 ids += v if isinstance(v, list) else [v]
                 break
@@ -177,6 +182,8 @@ class LLMEngine:
                                    stop_checker=StopChecker(self.detokenizer),
                                    max_loras=config.max_loras if config.enable_lora else 0)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
+        # The model's sampling defaults for fields a request leaves out (kvpool.engine.generation_defaults).
+        self.sampling_defaults = read_defaults(self.model_dir, config.generation_config)
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
         # The model's own input processor: placeholder embeddings, or images read by cross-attention layers.
@@ -456,12 +463,17 @@ class LLMEngine:
             n += 1
         return a[:n]
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (its generation_config.json; vLLM's
+        `get_default_sampling_params`)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def make_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                      request_id: str | None = None, lora_id: int | str | None = None,
                      cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
                      mm_inputs: Sequence[MMInput] = (), lora_request: LoRARequest | None = None) -> Request:
         """Validate, tokenize and hash a request without queueing it (safe off the engine's thread)."""
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.default_sampling_params() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.validate()  # again: the caller may have changed a field since it was made

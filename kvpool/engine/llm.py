@@ -56,10 +56,15 @@ class LLM:
                 raise ValueError("sampling_params: one per prompt, or a single one for all")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if mm_inputs is not None and len(mm_inputs) != len(prompts):
             raise ValueError("mm_inputs: one list per prompt")
         return self._run(prompts, params, use_tqdm, cache_salt, mm_inputs, _per_prompt(lora_request, len(prompts)))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters a prompt given none runs with: the model's generation_config.json values
+        for temperature, top_p and top_k (`generation_config="vllm"`: kvpool's defaults), as vLLM's."""
+        return self.engine.default_sampling_params()
 
     def pin_prefix(self, prompt: Prompt | None = None, *, messages: Messages | None = None, ttl: float | None = None,
                    cache_salt: str | None = None) -> Pin:

@@ -380,7 +380,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         served = lora.lora_name if lora is not None else model_name
         rename = {"prompt_token_ids": "prompt"}
         try:
-            prompt, params = body.single_prompt(), body.to_sampling_params()
+            prompt, params = body.single_prompt(), body.to_sampling_params(engine.engine.sampling_defaults)
         except ValueError as e:
             raise APIError.from_value_error(e, rename) from None
         stream = await start(prompt, params, body.cache_salt, lora=lora, rename=rename)
@@ -407,7 +407,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         mm: list[MMInput] = []
         rename = body.param_renames()
         try:
-            params = body.to_sampling_params()
+            params = body.to_sampling_params(engine.engine.sampling_defaults)
             if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them
                 ids, mm = await asyncio.to_thread(chat_with_images, engine, body.messages, media, model_name)
             else:

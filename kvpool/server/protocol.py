@@ -8,7 +8,7 @@ template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
@@ -123,8 +123,10 @@ class _SamplingFields(BaseModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self) -> SamplingParams:
-        """A ValueError naming the field for a value kvpool cannot honour."""
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """A ValueError naming the field for a value kvpool cannot honour. `defaults`: the model's values of
+        temperature, top_p and top_k, for those the request leaves out (`LLMEngine.sampling_defaults`)."""
+        defaults = defaults or {}
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name}: not supported (must be 0)")
@@ -140,8 +142,9 @@ class _SamplingFields(BaseModel):
             if not harmless(value):
                 raise ValueError(f"{name}: not supported (got {value!r:.80})")
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, max_tokens=self._max_tokens(),
+            temperature=defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=defaults.get("top_k", 0) if self.top_k is None else self.top_k, max_tokens=self._max_tokens(),
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), seed=self.seed,
             ignore_eos=self.ignore_eos, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output)
 
