@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvpool.bench.replay import ReplayResult, replay
 from kvpool.bench.workloads import TraceRequest
@@ -138,9 +138,15 @@ def belady_note(host_blocks: int, run: ReplayResult) -> str:
 
 
 def belady_hit_rate(trace: list[TraceRequest], num_blocks: int, block_size: int, concurrency: int,
-                    hash_algo: str = "sha256") -> float:
+                    hash_algo: str = "sha256", skip: Collection[int] = ()) -> float:
     """Hit rate of the trace under Belady's MIN eviction, with kvpool's call pattern and pool size (for a
-    device and a host tier, their blocks together as one pool: no two-tier policy hits more)."""
+    device and a host tier, their blocks together as one pool: no two-tier policy hits more). `skip`: the
+    indices of requests the policy's own replay skipped (too large for its device pool alone), left out here
+    too, so that both hit rates are over the same requests (a prompt that fits device + host but not the
+    device was counted by Belady alone)."""
+    if skip:
+        left_out = set(skip)
+        trace = [tr for i, tr in enumerate(trace) if i not in left_out]
     hasher = BlockHasher(block_size, hash_algo)
     uses: dict[BlockHash, list[int]] = {}
     depth: dict[BlockHash, int] = {}

@@ -95,7 +95,7 @@ def run(a: argparse.Namespace) -> dict:
     host_hit_rate = r0.host_hit_tokens / r0.prompt_tokens if r0.prompt_tokens else 0.0
     # (with a host tier: its blocks and the device's as one pool, the most any two-tier policy could hit)
     optimal = None if a.no_belady else belady_hit_rate(trace, a.num_blocks + a.host_blocks, a.block_size,
-                                                      a.concurrency, a.hash_algo)
+                                                      a.concurrency, a.hash_algo, skip=skipped)
     result = dict(system="kvpool", eviction_policy=a.eviction_policy, hash_algo=a.hash_algo, repeats=a.repeats,
                   requests=len(trace),
                   num_blocks=a.num_blocks, block_size=a.block_size, concurrency=a.concurrency,

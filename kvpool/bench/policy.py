@@ -123,14 +123,17 @@ def run(a: argparse.Namespace) -> dict:
     hasher = BlockHasher(a.block_size, a.hash_algo)
     for case in cases(a):
         for nb in case.num_blocks:
-            # (with a host tier: its blocks and the device's as one pool, the most any two-tier policy hits)
-            optimal = None if a.no_belady else belady_hit_rate(case.trace, nb + a.host_blocks, a.block_size,
-                                                              case.concurrency, a.hash_algo)
+            optimal: float | None = None
             row_of: dict[str, dict] = {}
             for pol in policies:
                 mgr = KVCacheManager(nb, a.block_size, eviction_policy=pol, num_host_blocks=a.host_blocks,
                                      host_eviction=a.host_eviction)
                 r = replay(case.trace, mgr, hasher, case.concurrency)
+                if optimal is None and not a.no_belady:
+                    # With a host tier: its blocks and the device's as one pool, the most any two-tier policy
+                    # hits; over the requests the replays ran (what they skip depends on the device pool only).
+                    optimal = belady_hit_rate(case.trace, nb + a.host_blocks, a.block_size, case.concurrency,
+                                              a.hash_algo, skip=r.skipped_indices)
                 row_of[pol] = dict(trace=case.name, num_blocks=nb, concurrency=case.concurrency, policy=pol,
                                    host_blocks=a.host_blocks, hit_rate=r.hit_rate, belady_hit_rate=optimal,
                                    gap_closed=None, requests_per_s=(len(case.trace) - r.skipped) / r.wall_s,

@@ -340,6 +340,9 @@ class KVCacheManager:
         empties one group's chain while other groups keep blocks only that chain made useful.
         """
         if isinstance(request, str):
+            if preempted:
+                # (the mark lives on the request: its next admission is counted apart in the stats)
+                raise ValueError("free: preempted=True needs the request itself, not its id")
             rid, n_out = request, None
         else:
             rid = request.request_id

@@ -158,6 +158,19 @@ def test_free_releases_tail_first_and_ref_counts_never_go_negative() -> None:
     mgr.check_integrity()
 
 
+def test_a_preemption_by_request_id_is_refused() -> None:
+    """The preempted mark lives on the request (its next admission is counted apart); given only its id,
+    `free(..., preempted=True)` dropped the mark silently and the resumed admission counted as a new request."""
+    mgr = KVCacheManager(10, 4)
+    a = make_request("a", list(range(12)), 4)
+    schedule(mgr, a)
+    with pytest.raises(ValueError, match=r"^free: preempted=True needs the request itself, not its id"):
+        mgr.free("a", preempted=True)
+    assert mgr.get_block_ids("a") == ([1, 2, 3],)  # nothing was freed
+    mgr.free("a")
+    mgr.check_integrity()
+
+
 def test_prefix_caching_off() -> None:
     bs = 4
     mgr = KVCacheManager(10, bs, enable_caching=False)
