@@ -106,15 +106,15 @@ def test_null_is_the_default_for_a_field_that_takes_no_null(server: ServerHandle
     null is a value of its own (max_tokens: no bound but the context's) it keeps its meaning."""
     nulls = dict.fromkeys(("n", "stream", "frequency_penalty", "presence_penalty", "ignore_eos",
                            "include_stop_str_in_output", "temperature", "seed", "stop", "logprobs", "user"))
-    want = httpx.post(f"{server.url}/v1/completions", json=OK).json()["choices"][0]["text"]
+    want = httpx.post(f"{server.url}/v1/completions", json=OK, timeout=60).json()["choices"][0]["text"]
     for path, req in (("/v1/completions", {**OK, **nulls, "echo": None, "suffix": None}),
                       ("/v1/chat/completions", {**CHAT, **nulls, "temperature": 0, "max_completion_tokens": None})):
-        r = httpx.post(f"{server.url}{path}", json=req)
+        r = httpx.post(f"{server.url}{path}", json=req, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
-    assert httpx.post(f"{server.url}/v1/completions", json={**OK, **nulls, "temperature": 0}).json()[
+    assert httpx.post(f"{server.url}/v1/completions", json={**OK, **nulls, "temperature": 0}, timeout=60).json()[
         "choices"][0]["text"] == want
     unbounded = {**OK, "max_tokens": None, "ignore_eos": True}
-    usage = httpx.post(f"{server.url}/v1/completions", json=unbounded).json()["usage"]
+    usage = httpx.post(f"{server.url}/v1/completions", json=unbounded, timeout=120).json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 512  # (the context's end, not the default 16)
 
 
