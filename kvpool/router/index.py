@@ -57,7 +57,9 @@ class PrefixIndex:
     def apply(self, replica: str, events: Iterable[dict[str, Any]]) -> None:
         """Apply one batch of decoded events (dicts with a "type") from `replica`, whole or not at all: a
         ValueError names the first malformed field, and nothing of the batch is applied."""
-        ops: list[tuple[str, str, list[bytes], str, int]] = []  # (type, owner, hashes, tier, group)
+        # (type, owner, hashes, tier, group); a removal naming no group removes a copy in whichever group holds
+        # one (a stream may carry group_idx on some events only: the field is optional in vLLM's classes)
+        ops: list[tuple[str, str, list[bytes], str, int | None]] = []
         for e in events:
             kind = e.get("type")
             if kind in ("BlockStored", "BlockRemoved"):
@@ -67,8 +69,10 @@ class PrefixIndex:
                 hashes = e.get("block_hashes")
                 if not isinstance(hashes, list | tuple):
                     raise ValueError(f"block_hashes: must be a list, got {type(hashes).__name__}")
-                group = e.get("group_idx") or 0
-                if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+                group = e.get("group_idx")
+                if group is None and kind == "BlockStored":
+                    group = 0
+                if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 0):
                     raise ValueError(f"group_idx: must be an int >= 0, got {group!r}")
                 ops.append((kind, STORE if tier == "STORAGE" else replica, [_key(h) for h in hashes], tier, group))
             elif kind == "AllBlocksCleared":
@@ -79,7 +83,7 @@ class PrefixIndex:
             for kind, owner, hashes, tier, group in ops:
                 if kind == "BlockStored":
                     for h in hashes:
-                        self._add(owner, h, tier, group)
+                        self._add(owner, h, tier, group or 0)
                 elif kind == "BlockRemoved":
                     for h in hashes:
                         self._remove(owner, h, tier, group)
@@ -121,15 +125,21 @@ class PrefixIndex:
             if not holders:
                 del self._blocks[h]
 
-    def _remove(self, replica: str, h: bytes, tier: str, group: int = 0) -> None:
+    def _remove(self, replica: str, h: bytes, tier: str, group: int | None = 0) -> None:
         holders = self._blocks.get(h)
         if holders is None or replica not in holders:
             return
-        if replica == STORE:
-            self._store_order.pop((h, group), None)
-            self._uncount(STORE, h, lambda key: key[1] == group)
-            return
         copies = holders[replica]
+        if replica == STORE:
+            for g in [g for _, g in copies if group is None or g == group]:
+                self._store_order.pop((h, g), None)
+            self._uncount(STORE, h, lambda key: group is None or key[1] == group)
+            return
+        if group is None:  # the copy of group 0 if there is one, else the lowest group's in this tier
+            held = sorted(g for t, g in copies if t == tier)
+            if not held:
+                return
+            group = 0 if 0 in held else held[0]
         copies[tier, group] -= 1
         if copies[tier, group] <= 0:
             self._uncount(replica, h, lambda key: key == (tier, group))
@@ -146,12 +156,14 @@ class PrefixIndex:
               rules: Mapping[str, Sequence[GroupRule] | None] | None = None) -> dict[str, tuple[int, float]]:
         """Per replica: (blocks of the longest cached prefix, the same weighted by tier). The store's
         blocks extend every replica's prefix. `rules`: the replicas whose groups' hit rules are known (see
-        the module doc); the weight is then that of the first group's copies."""
+        the module doc); a block's weight is then its best copy in any group (1 if no group needs it)."""
         out: dict[str, tuple[int, float]] = {}
         with self._lock:
             for r in replicas:
                 rule = rules.get(r) if rules else None
-                out[r] = self._match_grouped(hashes, r, rule) if rule else self._match_any(hashes, r)
+                # (one full-attention group, every model but a hybrid one: any group's copy is that group's)
+                grouped = rule is not None and [x.kind for x in rule if x.kind != "none"] != ["full"]
+                out[r] = self._match_grouped(hashes, r, rule) if grouped else self._match_any(hashes, r)  # type: ignore[arg-type]
         return out
 
     def _match_any(self, hashes: Sequence[bytes], r: str) -> tuple[int, float]:
@@ -170,9 +182,14 @@ class PrefixIndex:
     def _match_grouped(self, hashes: Sequence[bytes], r: str, rules: Sequence[GroupRule]) -> tuple[int, float]:
         blocks = self._blocks
 
+        seen: dict[int, list[tuple[str, int]]] = {}
+
         def copies(i: int) -> list[tuple[str, int]]:
-            holders = blocks.get(hashes[i])
-            return [] if holders is None else [k for who in (r, STORE) for k in holders.get(who, ())]
+            got = seen.get(i)
+            if got is None:
+                holders = blocks.get(hashes[i])
+                got = seen[i] = [] if holders is None else [k for who in (r, STORE) for k in holders.get(who, ())]
+            return got
 
         n = longest_servable(len(hashes), lambda g, i: any(group == g for _, group in copies(i)), rules)
         # A block some group reads is worth its best copy; one no group needs (before a window) is free.

@@ -16,8 +16,11 @@ anything; and bf16 tokens independent of caching and chunking.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,22 +33,66 @@ MIN_ROWS = 16
 # and even; up to 256 (the largest step of decodes most servers run). A row's bits are compared with the
 # same row's within the 256-row call, so a dependence on the row's position is caught too.
 PROBE_ROWS = (1, 2, 3, 5, 8, 11, 12, 16, 17, 24, 33, 64, 100, 128, 256)
-_probed: dict[Hashable, bool] = {}
+_probed: dict[str, bool] = {}
+_on_disk: dict[str, bool] | None = None  # what earlier processes found on this machine (see _disk_file)
 
 
 def rows_invariant(linear: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                   key: Hashable) -> bool:
+                   key: Hashable, persist: bool = False) -> bool:
     """Whether `linear` gives each row the same bits whatever the number of rows in the call, on this CPU
     at this thread count (remembered under `key` + the thread count: a kernel's choice depends on its
-    shape, not on its weights). About 0.15 s for SmolLM2's vocabulary projection on 2 cores."""
-    key = (key, torch.get_num_threads())
-    if key not in _probed:
+    shape, not on its weights). `persist`: the answer is also kept on disk beside the compiled kernels, whose
+    folder is named by the CPU, its flags and the torch build, so later processes on this machine skip the
+    probe (for the engine's kernels; a test's own function must not be answered from disk). The probe of
+    SmolLM2's vocabulary projection took 0.2-0.6 s on 2 cores, all the model's shapes about 1 s."""
+    name = repr((key, torch.get_num_threads()))
+    if name not in _probed and persist and name in _disk():
+        _probed[name] = _disk()[name]
+    if name not in _probed:
         x = torch.randn(PROBE_ROWS[-1], in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
         bits = torch.int16 if dtype.itemsize == 2 else torch.int32
         with torch.no_grad():
             full = linear(x).view(bits)
-            _probed[key] = all(torch.equal(linear(x[:n]).view(bits), full[:n]) for n in PROBE_ROWS[:-1])
-    return _probed[key]
+            _probed[name] = all(torch.equal(linear(x[:n]).view(bits), full[:n]) for n in PROBE_ROWS[:-1])
+        if persist:
+            _remember(name, _probed[name])
+    return _probed[name]
+
+
+def _disk_file() -> Path | None:
+    try:
+        from kvpool.runner.kernels import build_dir
+
+        return build_dir() / "row_invariance.json"
+    except Exception:  # (no cache folder can be named here: probe every time)
+        return None
+
+
+def _disk() -> dict[str, bool]:
+    global _on_disk
+    if _on_disk is None:
+        f, _on_disk = _disk_file(), {}
+        try:
+            data = json.loads(f.read_text()) if f is not None and f.is_file() else {}
+            _on_disk = {k: v for k, v in data.items() if isinstance(v, bool)} if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            pass
+    return _on_disk
+
+
+def _remember(name: str, value: bool) -> None:
+    f = _disk_file()
+    if f is None:
+        return
+    known = _disk()
+    known[name] = value
+    try:  # a whole file or none: written aside, then renamed over (two processes may race; either is right)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=0, sort_keys=True))
+        os.replace(tmp, f)
+    except OSError as e:
+        log.debug("row-count invariance: not kept on disk (%s)", e)
 
 
 def pad_rows(x: torch.Tensor, min_rows: int = MIN_ROWS) -> torch.Tensor:
@@ -74,7 +121,7 @@ class RowPaddedLinear(nn.Module):
         candidates.append(("mkl", self._plain))
         for name, inner in candidates:
             if rows_invariant(lambda x, f=inner: f(pad_rows(x))[: x.shape[0]], lin.in_features, lin.weight.dtype,
-                              key=("padded", name, shape)):
+                              key=("padded", name, shape), persist=True):
                 self.inner = inner
                 return
         log.warning("batch_invariant: no linear kernel on this CPU gives a row of a %s projection the same bits "
@@ -92,6 +139,15 @@ def make_batch_invariant(model: nn.Module, dtype: torch.dtype) -> None:
     """Wrap every fp32 projection of a kvpool Llama (the weights stay shared; oneDNN's packed copy is the
     one extra); bf16 projections are made row-count invariant where they are packed (PackedLinear)."""
     if dtype == torch.bfloat16:
+        from kvpool.runner.models.llama import PackedLinear
+
+        for m in model.modules():  # (probed at load where kvpool's kernel could take over; not where it cannot)
+            if isinstance(m, PackedLinear) and not m.own and not rows_invariant(
+                    m, m.in_features, dtype, key=("onednn", m.out_features, m.in_features, m.bias is not None),
+                    persist=True):
+                log.warning("batch_invariant: oneDNN's bf16 linear of shape %s is not row-count invariant on this "
+                            "CPU, and kvpool's own kernel cannot run it here (native_kernels off, or no AVX-512 "
+                            "BF16): outputs may differ in their last bits", (m.out_features, m.in_features))
         return
     for layer in model.layers:  # type: ignore[attr-defined]
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):

@@ -4,6 +4,7 @@ outputs that do not depend on the policy."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,19 @@ def toks(seed: int, n: int) -> list[int]:
     """Distinct prompts within the tiny model's 256-token vocabulary."""
     rng = random.Random(seed)
     return [rng.randrange(40, 256) for _ in range(n)]
+
+
+class Clock:
+    """The `time` module with `monotonic()` reading `now`."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
 
 
 def make(model: Path, **kw: object) -> LLM:
@@ -129,10 +143,17 @@ def test_a_system_prompt_is_pinned_as_what_every_chat_with_it_shares(chat_llama_
 
 @pytest.mark.parametrize("fault", [RuntimeError("kernel exploded"), KeyboardInterrupt()])
 def test_pins_are_computed_again_after_a_failed_step_but_not_after_ctrl_c(tiny_llama_dir: Path,
-                                                                          fault: BaseException) -> None:
+                                                                          fault: BaseException,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     llm = make(tiny_llama_dir, pin_budget=0.3)
     eng = llm.engine
-    pin = llm.pin_prefix(SYSTEM, ttl=3600)
+    # The engine's clock, under the test's hand: pinned at 0 until 3814.959660635, pinned again at a time
+    # where `now + (expires_at - now)` does not round back to it (as it happened on a GPU host).
+    clock = Clock(0.0)
+    monkeypatch.setattr("kvpool.engine.engine.time", clock)
+    pin = llm.pin_prefix(SYSTEM, ttl=3814.959660635)
+    clock.now = 1544.807399587359
+    assert clock.now + (pin.expires_at - clock.now) != pin.expires_at
     greedy = SamplingParams.greedy(4)
     want = llm.generate([[*SYSTEM, 7, 8]], greedy, use_tqdm=False)[0].token_ids
     calls = fail_first_step(eng, fault)

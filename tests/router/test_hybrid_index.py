@@ -135,3 +135,29 @@ def test_a_hybrid_replica_tells_its_rules_and_the_router_matches_its_hits(tmp_pa
     finally:
         front.stop()
         h.stop()
+
+
+def test_events_with_and_without_groups_and_the_store() -> None:
+    """A removal that names no group (the field is optional in vLLM's classes) removes one copy, group 0's
+    first; the store's copies count in the group they were stored for."""
+    hashes = [bytes([i]) for i in range(4)]
+    rules = {"r": (GroupRule("full"), GroupRule("state"))}
+    index = PrefixIndex()
+
+    def event(kind: str, group: int | None, which: list[bytes], medium: str = "GPU") -> dict:
+        e = {"type": kind, "block_hashes": which, "medium": medium}
+        return e if group is None else {**e, "group_idx": group}
+
+    index.apply("r", [event("BlockStored", 0, hashes), event("BlockStored", 1, hashes)])
+    assert index.match(hashes, ["r"], rules)["r"] == (4, 4.0)
+    index.apply("r", [event("BlockRemoved", None, hashes[1:2])])
+    # Group 0's copy went: its chain ends at block 1, where the state after block 0 still is.
+    assert index.match(hashes, ["r"], rules)["r"] == (1, 1.0) and index.match(hashes, ["r"])["r"] == (4, 4.0)
+    index.apply("r", [event("BlockRemoved", None, hashes[1:2])])  # then group 1's
+    assert index.match(hashes, ["r"])["r"] == (1, 1.0) and len(index) == 3
+    # The store's group-0 copy of block 1 restores the chain; the states after blocks 2 and 3 are the
+    # replica's own: a hit of four blocks, block 1 at the store's weight.
+    index.apply("r", [event("BlockStored", 0, hashes[1:2], "STORAGE")])
+    assert index.match(hashes, ["r"], rules)["r"] == (4, 3.5)
+    index.apply("r", [event("BlockRemoved", None, hashes[1:2], "STORAGE")])
+    assert index.match(hashes, ["r"], rules)["r"] == (1, 1.0) and index.num_blocks("*store*") == 0

@@ -4,6 +4,9 @@ multiple of 16 or of 48, row counts that leave partial tiles and span several ro
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -66,7 +69,7 @@ def test_a_shape_onednn_sums_by_row_count_runs_on_kvpools_kernel(monkeypatch: py
 
     seen: list[tuple] = []
 
-    def not_invariant(linear, in_features, dtype, key):  # type: ignore[no-untyped-def]
+    def not_invariant(linear, in_features, dtype, key, persist=False):  # type: ignore[no-untyped-def]
         seen.append(key)
         return False
 
@@ -120,3 +123,81 @@ def test_a_mismatched_input_is_refused() -> None:
     with pytest.raises(RuntimeError, match="bias must have 8 elements"):
         torch.ops.kvpool.linear_bf16(torch.ones(3, 10, dtype=torch.bfloat16), packed,
                                      torch.ones(9, dtype=torch.bfloat16), 8)
+
+
+def test_the_probe_is_per_thread_count_and_kept_on_disk_for_the_engines_kernels(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvpool.runner import invariant
+
+    monkeypatch.setenv("KVPOOL_CACHE", str(tmp_path))
+    monkeypatch.setattr(invariant, "_probed", {})
+    monkeypatch.setattr(invariant, "_on_disk", None)
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(4))
+    calls = []
+
+    def by_threads(x: torch.Tensor) -> torch.Tensor:  # sums in another order above 3 rows, with 2 threads only
+        calls.append(x.shape[0])
+        y = torch.stack([r @ w.T for r in x])  # (row by row: the same bits at any row count)
+        return y.double().mul(1 + 1e-6).float() if torch.get_num_threads() == 2 and x.shape[0] > 3 else y
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert invariant.rows_invariant(by_threads, 16, torch.float32, key="k", persist=True)
+        torch.set_num_threads(2)
+        assert not invariant.rows_invariant(by_threads, 16, torch.float32, key="k", persist=True)
+        n = len(calls)
+        # Another process on this machine (a fresh memory): answered from disk, the function never called.
+        monkeypatch.setattr(invariant, "_probed", {})
+        monkeypatch.setattr(invariant, "_on_disk", None)
+        assert not invariant.rows_invariant(by_threads, 16, torch.float32, key="k", persist=True)
+        torch.set_num_threads(1)
+        assert invariant.rows_invariant(by_threads, 16, torch.float32, key="k", persist=True)
+        assert len(calls) == n
+        (f,) = tmp_path.glob("kernels/*/row_invariance.json")
+        assert sorted(json.loads(f.read_text()).values()) == [False, True]
+        # Not persisted: probed in every process.
+        monkeypatch.setattr(invariant, "_probed", {})
+        assert invariant.rows_invariant(by_threads, 16, torch.float32, key="k2")
+        assert len(calls) > n and len(json.loads(f.read_text())) == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_batch_invariant_fp32_pads_on_the_first_kernel_found_invariant(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """oneDNN's packed kernel where it is invariant padded, else MKL's; neither: said so (the Xeon with AMX
+    beside the H100 made MKL padded to 16 rows give rows 64-128 other bits)."""
+    import logging
+
+    from kvpool.runner import invariant
+    from kvpool.runner.models.llama import can_pack
+
+    if not can_pack(torch.float32, torch.device("cpu")):
+        pytest.skip("no oneDNN fp32 packing in this torch build")
+    lin = torch.nn.Linear(24, 8, bias=True)
+    assert isinstance(invariant.RowPaddedLinear(lin).inner, PackedLinear)  # (oneDNN's is invariant here)
+    answers = {"onednn": False, "mkl": True}
+    monkeypatch.setattr(invariant, "rows_invariant", lambda f, n, d, key, persist=False: answers[key[1]])
+    padded = invariant.RowPaddedLinear(lin)
+    assert padded.inner == padded._plain
+    x = torch.randn(5, 24)
+    assert torch.equal(padded(x), torch.nn.functional.linear(invariant.pad_rows(x), lin.weight, lin.bias)[:5])
+    answers["mkl"] = False
+    with caplog.at_level(logging.WARNING, logger="kvpool.runner.invariant"):
+        invariant.RowPaddedLinear(lin)
+    assert "no linear kernel on this CPU gives a row of a (8, 24) projection the same bits" in caplog.text
+
+
+def test_batch_invariant_bf16_says_so_where_onednn_is_not_invariant_and_kvpools_kernel_is_off(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from kvpool.engine.llm import LLM
+    from kvpool.runner import invariant
+
+    monkeypatch.setattr(invariant, "rows_invariant", lambda *a, **k: False)
+    with caplog.at_level(logging.WARNING, logger="kvpool.runner.invariant"):
+        LLM(str(tiny_llama_dir), dtype="bfloat16", skip_tokenizer_init=True, num_blocks=16, block_size=4,
+            batch_invariant=True, native_kernels=False, device="cpu")
+    assert "batch_invariant: oneDNN's bf16 linear of shape (128, 64) is not row-count invariant" in caplog.text

@@ -114,7 +114,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: bool = True) -> None:
         super().__init__()
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         # `native` False (the engine's native_kernels=False): torch's own kernels only, oneDNN's here.
         choice = _bf16_linear_choice() if native and weight.dtype == torch.bfloat16 else "onednn"
         self.own = choice == "kvpool"
@@ -122,7 +122,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", self._pack(w), persistent=False)
         self.bias = bias
         if choice == "auto" and not rows_invariant(self, w.shape[1], w.dtype,
-                                                   key=("onednn", *w.shape, bias is not None)):
+                                                   key=("onednn", *w.shape, bias is not None), persist=True):
             log.info("oneDNN's bf16 linear of shape %s is not row-count invariant on this CPU: kvpool's kernel "
                      "runs it", tuple(w.shape))
             self.own = True
