@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 import threading
 from collections import OrderedDict
@@ -130,18 +131,24 @@ class FileStore(KVStore):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for key in keys:
+            path = self._path(key)
             try:
-                path = self._path(key)
-                out.append(path.read_bytes())
-                self._used(path, None)
+                value = _read_regular(path)
             except FileNotFoundError:
-                out.append(None)
+                value = None
             except OSError as e:
-                if e.errno in _REFUSED:
-                    out.append(None)  # one file this process may not read: a miss for that key only
-                    continue
-                raise StoreError(f"I/O error: {e}") from e
+                # One file's fault (unreadable, a fan-out path that is not a folder, a bad disk sector) is a
+                # miss for that key only; the store is down only when its directory is.
+                self._check_root(e)
+                value = None
+            if value is not None:
+                self._used(path, None)
+            out.append(value)
         return out
+
+    def _check_root(self, e: OSError) -> None:
+        if not self.root.is_dir():
+            raise StoreError(f"I/O error: {e}") from e
 
     def ping(self) -> None:
         """The directory is there and searchable (a store whose disk went away is down)."""
@@ -154,9 +161,19 @@ class FileStore(KVStore):
             try:
                 out.append(self._path(key).is_file())
             except OSError as e:  # (is_file raises for a fan-out directory this process may not search)
-                if e.errno in _REFUSED:
-                    out.append(False)  # a miss for that key only, as in get_many
-                    continue
-                raise StoreError(f"I/O error: {e}") from e
+                self._check_root(e)
+                out.append(False)  # a miss for that key only, as in get_many
         return out
 
+
+def _read_regular(path: Path) -> bytes | None:
+    """The bytes of the regular file at `path`; None for anything else found there (a folder, a FIFO, a
+    device: read as a file, a FIFO would block the store's thread for good)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)

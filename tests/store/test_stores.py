@@ -151,7 +151,16 @@ def test_file_store_permission_errors_are_refusals_and_misses_not_an_outage(
 
         monkeypatch.setattr(Path, name, method)
 
-    denied("read_bytes")
+    from kvpool.store import file_store
+
+    real_read = file_store._read_regular
+
+    def read(path: Path) -> bytes | None:
+        if path == unreadable:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    monkeypatch.setattr(file_store, "_read_regular", read)
     assert bs.get([h for h, _ in data]) == [None, data[1][1]] and bs.available
     # The same file's directory not searchable: `is_file` raises (Python 3.11) where EXISTS looks (the
     # reads of hybrid models): a miss for that key, not the store down for a second.
@@ -161,6 +170,26 @@ def test_file_store_permission_errors_are_refusals_and_misses_not_an_outage(
     assert not bs.put(blocks(1, salt=b"x"))
     assert bs.available and bs.stats.errors == 1  # refused (no back-off): reads go on
     assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_what_is_not_a_value_file_is_a_miss_for_its_key_only(tmp_path: Path) -> None:
+    """A folder where a value should be failed the whole merged read and marked the store down (EISDIR);
+    a FIFO there blocked the store's thread for good (a read waits for a writer). Now each is a miss for
+    its key, and the store stays up."""
+    bs = BlockStore(FileStore(tmp_path), FP)
+    data = blocks(4)
+    bs.put(data)
+    paths = [bs.store._path(FP.key(h)) for h, _ in data]  # type: ignore[attr-defined]
+    paths[1].unlink()
+    paths[1].mkdir()
+    paths[2].unlink()
+    os.mkfifo(paths[2])
+    paths[3].unlink()
+    t0 = time.monotonic()
+    got = bs.get([h for h, _ in data])
+    assert time.monotonic() - t0 < 5
+    assert got == [data[0][1], None, None, None] and bs.available and bs.stats.errors == 0
+    assert bs.exists([h for h, _ in data]) == [True, False, False, False]
 
 
 def test_worker_merges_queued_reads_into_one_round_trip(tmp_path: Path) -> None:
