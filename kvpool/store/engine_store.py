@@ -222,7 +222,7 @@ class EngineStore:
             self.tier.land_with(self._land_hybrid, lambda tp: self.tier.fits(tp[2], self.pages[tp[0]].nbytes))
         else:
             self.tier.land(lambda h: self.pool.shelter(h, announced=False), self.pool.free_blocks, self.caches,
-                           self.pool.unshelter)
+                           self.pool.unshelter, budget=self.pool.get_num_free_blocks())
         ready = []
         for rid, req in list(self._held.items()):
             if not self.tier.ready(rid):

@@ -182,16 +182,22 @@ class StoreTier:
         return self._wait(request_id, want, deadline)
 
     def land(self, shelter: Callable[[bytes], Any], release: Callable[[list[Any]], None], caches: Caches,
-             unshelter: Callable[[list[Any]], None]) -> int:
+             unshelter: Callable[[list[Any]], None], budget: int | None = None) -> int:
         """Write every completed read into host blocks. `shelter(hash)` gives a pinned host block (or None:
         already there, or no room), `release(blocks)` unpins them once written, and `unshelter(blocks)` gives
-        them back empty when the copy fails. Returns blocks landed."""
+        them back empty when the copy fails. `budget`: the most blocks to land now, the host blocks a
+        shelter could take before it evicted one landed now (past it, a burst of reads evicted its own
+        first landings before their requests ran: every block landed, none hit); the rest are misses, a
+        chain cut at a prefix. Returns blocks landed."""
 
         nbytes = block_nbytes(caches)
+        left = [budget]
 
         def sink(pairs: list[tuple[bytes, Any]]) -> int:
             blocks, ids, data = [], [], []
             for h, p in pairs:
+                if left[0] is not None and left[0] <= len(ids):
+                    break
                 hb = shelter(h)
                 if hb is None:
                     continue
@@ -202,6 +208,8 @@ class StoreTier:
                 return 0
             if ids:
                 release(blocks)
+            if left[0] is not None:
+                left[0] -= len(ids)
             return len(ids)
 
         return self.land_with(sink, lambda p: self.fits(p, nbytes))

@@ -56,6 +56,27 @@ def restart_round(model: Path, url: str, expected: list[list[int]]) -> tuple[LLM
     return second, outs
 
 
+def test_a_burst_needing_more_than_the_host_tier_lands_what_it_holds(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Six prompts of 20 blocks each arrive together at a restarted replica whose store holds them all and
+    whose host tier holds 64 blocks: every block was landed, each landing evicting the first ones before
+    their requests ran, and no request hit. Now a landing takes what the host tier can hold at once."""
+    ps = prompts(seed=5, n=6, length=81)
+    ref = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, block_size=BS, num_blocks=256,
+              enable_prefix_caching=False)
+    want = [o.token_ids for o in run(ref, ps)]
+    first = make(tiny_llama_dir, f"file://{tmp_path}")
+    for p in ps:  # one at a time: each prompt's blocks go through the host tier to the store
+        run(first, [p])
+    first.engine.store.close()
+    second = make(tiny_llama_dir, f"file://{tmp_path}")
+    outs = run(second, ps)
+    assert [o.token_ids for o in outs] == want
+    assert sorted(o.num_cached_tokens for o in outs)[-3:] == [80, 80, 80]  # three prompts' worth of 64 blocks
+    assert second.engine.store.tier.blocks_landed <= 64
+    second.engine.kv.check_integrity()
+    second.engine.store.close()
+
+
 @pytest.mark.parametrize("backend", ["file", "redis"])
 def test_restarted_replica_hits_the_store(tiny_llama_dir: Path, tmp_path: Path, expected: list[list[int]],
                                          backend: str, request: pytest.FixtureRequest) -> None:
