@@ -5,13 +5,14 @@ same token computed alone (a decode, a short suffix after a prefix hit) and with
 differ in the last bits: MKL's fp32 matmul (fewer than ~12 rows against more on an AMD EPYC; on an Intel
 Xeon with AMX, again at 64-128 rows), oneDNN's packed bf16 with AMX tiles for some row counts of a wide
 projection (the vocabulary's). Which kernels are invariant is an empirical property of the BLAS and the
-CPU, so kvpool checks it here at load (`rows_invariant`, once per shape and process) instead of trusting
-a list: bf16 projections run oneDNN's packed kernel where it is invariant and kvpool's own (which sums
-every row the same way by construction) where it is not (`models.llama.PackedLinear`); batch-invariant
-fp32 pads every call to at least MIN_ROWS rows on the first of oneDNN's packed kernel or MKL's that is
-invariant so padded. Together with `attention.invariant_attention`, this makes an omni stage's per-token
-outputs bit-identical whether its prefix was a cache hit or computed, chunked or not, batched with
-anything; and bf16 tokens independent of caching and chunking.
+CPU, so kvpool checks it here at load (`rows_invariant`, once per shape and thread count on a machine:
+the answers are kept beside the compiled kernels) instead of trusting a list: bf16 projections run
+oneDNN's packed kernel where it is invariant and kvpool's own (which sums every row the same way by
+construction) where it is not (`models.llama.PackedLinear`); batch-invariant fp32 pads every call to at
+least MIN_ROWS rows on the first of oneDNN's packed kernel or MKL's that is invariant so padded. Together
+with `attention.invariant_attention`, this makes an omni stage's per-token outputs bit-identical whether
+its prefix was a cache hit or computed, chunked or not, batched with anything; and bf16 tokens independent
+of caching and chunking.
 """
 
 from __future__ import annotations
