@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,22 +56,28 @@ def _message_list(messages: Any) -> list[Any]:
     return list(messages)
 
 
-def _eos_ids(model_dir: Any, tokenizer: Any = None) -> list[int]:
-    """The tokens that end a request (unless `ignore_eos`): the model's `eos_token_id` (generation config,
-    else config) and the tokenizer's own EOS, as vLLM stops on both (a chat model whose configs name none
-    would otherwise run past the end of its answer to `max_tokens`)."""
+def _model_json(model_dir: Path, name: str) -> dict[str, Any]:
+    """A JSON file of the model folder ({} where there is none); ValueError naming one that is not JSON."""
+    f = model_dir / name
+    if not f.is_file():
+        return {}
+    try:
+        data = json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"model: {f} is not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _eos_ids(configs: Sequence[dict[str, Any]], tokenizer: Any = None) -> list[int]:
+    """The tokens that end a request (unless `ignore_eos`): the model's `eos_token_id` (the first of
+    `configs` naming one: generation config, else config) and the tokenizer's own EOS, as vLLM stops on both
+    (a chat model whose configs name none would otherwise run past the end of its answer to `max_tokens`)."""
     ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        f = model_dir / name
-        if f.is_file():
-            try:
-                data = json.loads(f.read_text())
-            except ValueError as e:
-                raise ValueError(f"model: {f} is not valid JSON ({e})") from None
-            v = data.get("eos_token_id") if isinstance(data, dict) else None
-            if v is not None:
-                ids += v if isinstance(v, list) else [v]
-                break
+    for data in configs:
+        v = data.get("eos_token_id")
+        if v is not None:
+            ids += v if isinstance(v, list) else [v]
+            break
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(tok_eos, int) and tok_eos not in ids:
         ids.append(tok_eos)
@@ -181,9 +188,10 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    stop_checker=StopChecker(self.detokenizer),
                                    max_loras=config.max_loras if config.enable_lora else 0)
-        self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
+        generation = _model_json(self.model_dir, "generation_config.json")
+        self.eos_token_ids = _eos_ids([generation, _model_json(self.model_dir, "config.json")], self.tokenizer)
         # The model's sampling defaults for fields a request leaves out (kvpool.engine.generation_defaults).
-        self.sampling_defaults = read_defaults(self.model_dir, config.generation_config)
+        self.sampling_defaults = read_defaults(generation, config.generation_config)
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
         # The model's own input processor: placeholder embeddings, or images read by cross-attention layers.

@@ -10,9 +10,8 @@ vLLM does not: a request asks for greedy decoding with temperature 0.)
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from kvpool.engine.sampling_params import SamplingParams
@@ -23,27 +22,22 @@ FIELDS = ("temperature", "top_p", "top_k")
 MODES = ("auto", "vllm")
 
 
-def read_defaults(model_dir: Path, mode: str = "auto") -> dict[str, Any]:
-    """The sampling fields the model's generation config sets (none for mode "vllm", or without the file)."""
+def read_defaults(generation_config: Mapping[str, Any], mode: str = "auto") -> dict[str, Any]:
+    """The sampling fields the model's generation config (its generation_config.json, parsed) sets; none for
+    mode "vllm"."""
     if mode not in MODES:
         raise ValueError(f"generation_config: must be one of {', '.join(MODES)}, got {mode!r}")
-    f = Path(model_dir) / "generation_config.json"
-    if mode == "vllm" or not f.is_file():
-        return {}
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        log.warning("generation_config: %s is not readable JSON (%s); kvpool's sampling defaults apply", f, e)
+    if mode == "vllm":
         return {}
     out: dict[str, Any] = {}
     for name in FIELDS:
-        value = data.get(name) if isinstance(data, dict) else None
+        value = generation_config.get(name)
         if value is None:
             continue
         try:
             SamplingParams(**{name: value}).validate()
         except (TypeError, ValueError) as e:
-            log.warning("generation_config: %s %s; kvpool's default is kept", f.name, e)
+            log.warning("generation_config.json: %s; kvpool's default is kept", e)
             continue
         out[name] = value
     if out:
