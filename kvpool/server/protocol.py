@@ -126,7 +126,6 @@ class _SamplingFields(BaseModel):
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """A ValueError naming the field for a value kvpool cannot honour. `defaults`: the model's values of
         temperature, top_p and top_k, for those the request leaves out (`LLMEngine.sampling_defaults`)."""
-        defaults = defaults or {}
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name}: not supported (must be 0)")
@@ -141,12 +140,13 @@ class _SamplingFields(BaseModel):
             value = extra.get(name)
             if not harmless(value):
                 raise ValueError(f"{name}: not supported (got {value!r:.80})")
+        # What the request sets, over the model's defaults, over SamplingParams' own.
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k")}
+        sampling = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
         return SamplingParams(
-            temperature=defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
-            top_p=defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
-            top_k=defaults.get("top_k", 0) if self.top_k is None else self.top_k, max_tokens=self._max_tokens(),
-            stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), seed=self.seed,
-            ignore_eos=self.ignore_eos, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output)
+            **sampling, max_tokens=self._max_tokens(), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
+            seed=self.seed, ignore_eos=self.ignore_eos, n=self.n,
+            include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
