@@ -144,6 +144,16 @@ class RouteKey:
 
     hashes: list[bytes]
     sticky: list[bytes] | None = None
+    # The most blocks a replica can serve of the prompt: its last token is always computed, so a prompt of
+    # exactly k blocks hits k - 1 at most (a hybrid replica's hit is then the longest servable within those,
+    # which may be far shorter than within k). None: every full block.
+    servable: int | None = None
+
+    def hit_hashes(self) -> tuple[list[bytes], list[bytes] | None]:
+        """`hashes` and `sticky` cut to what a replica can serve: what the index is matched with."""
+        n = self.servable
+        return (self.hashes[:n], None if self.sticky is None else self.sticky[:n]) if n is not None else \
+            (self.hashes, self.sticky)
 
 
 def _has_image(m: ChatMessage) -> bool:
@@ -455,8 +465,8 @@ class Router:
     def pick(self, key: RouteKey, exclude: set[str]) -> tuple[str, int] | None:
         """The replica for a request with these block hashes (and its matched blocks), counting it in
         flight there; None when no healthy replica is left."""
-        hashes = key.hashes
-        blocks = max(len(hashes), len(key.sticky or ()))  # the prompt's full blocks
+        blocks = max(len(key.hashes), len(key.sticky or ()))  # the prompt's full blocks
+        hashes, sticky = key.hit_hashes()
         now = time.monotonic()
         with self._lock:
             cands = [n for n, r in self.replicas.items() if r.healthy and n not in exclude]
@@ -465,8 +475,6 @@ class Router:
             self._rr += 1
             for r in self.replicas.values():
                 r.load.decay(now, self.recent_half_life_s)
-            # The last token is always recomputed, so a prompt of exactly k blocks can hit k - 1 at most;
-            # what matters for the choice is the relative length, so all full blocks are compared.
             if self.policy == "round-robin":
                 name = cands[self._rr % len(cands)]
                 matched = self.index.match(hashes, [name], self._rules([name]))[name][0] if hashes else 0
@@ -475,7 +483,7 @@ class Router:
                 matched_all = self.index.match(hashes, cands, self._rules(cands)) if hashes else {}
                 for n in cands:
                     rep = self.replicas[n]
-                    approx = (self.routed.match(key.sticky, n, now) if key.sticky is not None
+                    approx = (self.routed.match(sticky, n, now) if sticky is not None
                               else self._approx(rep).match(hashes, n, now))
                     got = matched_all.get(n, (0, 0.0))
                     if approx > got[0]:  # routed there recently: its events have not arrived yet
@@ -521,7 +529,8 @@ class Router:
         model = body.get("model")
         try:
             if images is None:
-                return RouteKey(self.block_hashes(tokens, salt, model))
+                return RouteKey(self.block_hashes(tokens, salt, model),
+                                servable=(len(tokens) - 1) // self.block_size if tokens else None)
             # Past the first picture the replicas' tokens (and hashes) are not these: matched against their
             # events, they would credit a replica holding the same words without the picture. So the events
             # are matched on the blocks before it (a chain: the prompt's own first hashes).

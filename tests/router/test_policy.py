@@ -117,8 +117,29 @@ def test_router_hashes_like_the_replicas_including_the_salt() -> None:
     salted = r.block_hashes(toks, "tenant-a")
     assert salted == CacheRequest("x", toks, hasher=BlockHasher(4), cache_salt="tenant-a").block_hashes
     assert salted[0] != plain[0]
-    assert r.route_key("/v1/completions", {"prompt": toks, "cache_salt": "s"}) == RouteKey(r.block_hashes(toks, "s"))
+    assert r.route_key("/v1/completions", {"prompt": toks, "cache_salt": "s"}) == RouteKey(r.block_hashes(toks, "s"),
+                                                                                            servable=2)
     assert r.route_key("/v1/completions", {"prompt": "text"}) == RouteKey([])  # no tokenizer: route by load
+
+
+def test_a_prompt_of_whole_blocks_is_matched_on_what_a_replica_serves() -> None:
+    """A replica always computes a prompt's last token, so a prompt of exactly 4 blocks hits 3 at most: a
+    replica holding all 4 is worth no more than one holding 3, and the less used one gets it."""
+    r = Router([ReplicaSpec("http://a:1"), ReplicaSpec("http://b:1")], block_size=4)
+    toks = list(range(16))
+    key = r.route_key("/v1/completions", {"prompt": toks})
+    assert len(key.hashes) == 4 and key.servable == 3
+    r.index.apply("http://a:1", [stored(key.hashes)])
+    r.index.apply("http://b:1", [stored(key.hashes[:3])])
+    r.replicas["http://a:1"].load.kv_usage = 0.5
+    assert r.pick(key, set()) == ("http://b:1", 3)
+    r.done("http://b:1")
+    assert r.pick(key, {"http://b:1"}) == ("http://a:1", 3)
+    # One token more: a's fourth block is servable, and worth more than a's fuller cache costs.
+    longer = r.route_key("/v1/completions", {"prompt": [*toks, 99]})
+    assert longer.servable == 4 and longer.hashes == key.hashes
+    r.done("http://a:1")
+    assert r.pick(longer, set()) == ("http://a:1", 4)
 
 
 SYSTEM = "You answer questions about pictures, briefly and truthfully. " * 3
