@@ -32,6 +32,7 @@ from kvpool.engine.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig, p
 from kvpool.engine.generation_defaults import read_defaults
 from kvpool.engine.lora_request import LoRARegistry, LoRARequest
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
+from kvpool.engine.parallel_sampling import ParentRequest, child_id, child_params
 from kvpool.engine.prompts import normalize_prompt
 from kvpool.engine.request import Request, RequestStatus, check_prompt_length
 from kvpool.engine.sampling_params import SamplingParams
@@ -193,6 +194,9 @@ class LLMEngine:
         # The model's sampling defaults for fields a request leaves out (kvpool.engine.generation_defaults).
         self.sampling_defaults = read_defaults(generation, config.generation_config)
         self._generators: dict[str, torch.Generator] = {}
+        # Requests with n > 1 in flight, by their id and by their sequences' (kvpool.engine.parallel_sampling).
+        self._parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         # The model's own input processor: placeholder embeddings, or images read by cross-attention layers.
         self.mm = self.runner.make_input_processor(config.vision_encoder,
@@ -526,17 +530,28 @@ class LLMEngine:
         prepared = self.mm.prepare_request(ids, mm_inputs, mm_items, cache_salt)
         if prepared is not None:
             mm_items = prepared.items
-        req = Request(rid, ids, params, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len, lora_id=lora_id, lora_content=lora_content, mm_items=mm_items,
-                      cache_salt=cache_salt, prompt=text,
-                      num_encoder_tokens=prepared.num_encoder_tokens if prepared is not None else 0)
-        req.mm_inputs = prepared
-        req.lora_name = lora_name
+        if params.n > 1 and self.stage_outputs is not None:
+            raise ValueError("n: the omni pipeline's stages run one sequence per prompt; n must be 1")
+
+        def build(request_id: str, sp: SamplingParams) -> Request:
+            r = Request(request_id, ids, sp, hasher=self.hasher, eos_token_ids=self.eos_token_ids,
+                        max_model_len=self.max_model_len, lora_id=lora_id, lora_content=lora_content,
+                        mm_items=mm_items, cache_salt=cache_salt, prompt=text,
+                        num_encoder_tokens=prepared.num_encoder_tokens if prepared is not None else 0)
+            r.mm_inputs = prepared
+            r.lora_name = lora_name
+            return r
+
+        req = build(rid, params)
+        if params.n > 1:
+            req.children = [build(child_id(rid, i), child_params(params, i)) for i in range(params.n)]
         return req
 
     def _in_use(self, request_id: str) -> bool:
-        """Whether a request with this id is queued, running, or held for its store reads."""
-        return request_id in self.scheduler.requests or (self.store is not None and self.store.is_held(request_id))
+        """Whether a request with this id is queued, running, held for its store reads, or is (or is a
+        sequence of) a request with n > 1 in flight."""
+        return (request_id in self.scheduler.requests or request_id in self._parents
+                or request_id in self._parent_of or (self.store is not None and self.store.is_held(request_id)))
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, lora_id: int | str | None = None,
@@ -549,7 +564,11 @@ class LLMEngine:
         return req
 
     def enqueue(self, req: Request) -> None:
-        """Hand a request made by `make_request` to the scheduler (after its store reads, if any)."""
+        """Hand a request made by `make_request` to the scheduler (after its store reads, if any); one with
+        n > 1, its sequences."""
+        if req.children:
+            self._enqueue_parent(req)
+            return
         if self._in_use(req.request_id):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
         if req.lora_name is not None and self.loras is not None:
@@ -568,6 +587,29 @@ class LLMEngine:
             self._generators[req.request_id] = g
         if req.lora_name is not None:
             self._unload_idle_loras()
+
+    def _enqueue_parent(self, req: Request) -> None:
+        for rid in (req.request_id, *(c.request_id for c in req.children)):
+            if self._in_use(rid):
+                raise ValueError(f"request_id: {rid!r} is already in use")
+        parent = ParentRequest(req.request_id, len(req.children))
+        queued: list[str] = []
+        try:
+            for c in req.children:
+                self.enqueue(c)
+                queued.append(c.request_id)
+        except BaseException:
+            for rid in queued:  # all or none
+                self._abort_one(rid)
+            raise
+        self._parents[parent.request_id] = parent
+        for rid in parent.child_ids:
+            self._parent_of[rid] = parent
+
+    def _drop_parent(self, parent: ParentRequest) -> None:
+        self._parents.pop(parent.request_id, None)
+        for rid in parent.child_ids:
+            self._parent_of.pop(rid, None)
 
     def _requests_in_flight(self) -> list[Request]:
         """Queued, running, or held for their store reads."""
@@ -595,7 +637,26 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its last output (finish_reason "abort"), or None if it
-        is not running or waiting."""
+        is not running or waiting. A request with n > 1: every sequence of it."""
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            merged = None
+            for rid in parent.child_ids:
+                out = self._abort_one(rid)
+                if out is not None:
+                    merged = parent.merge(out)
+            self._drop_parent(parent)
+            return merged
+        out = self._abort_one(request_id)
+        parent = self._parent_of.get(request_id)
+        if out is None or parent is None:
+            return out
+        merged = parent.merge(out)
+        if merged.finished:
+            self._drop_parent(parent)
+        return merged
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         held = self.store.drop(request_id) if self.store is not None else None
         if held is not None:
@@ -637,6 +698,8 @@ class LLMEngine:
         if self.store is not None:
             for rid in self.store.held_ids():
                 self.abort_request(rid)
+        self._parents.clear()
+        self._parent_of.clear()
         saved, self._pins_lost = self._pins_lost + self.pins.clear(), []
         for _ in range(2):  # hand out the failed step's copies and the next one's: the host tier lets go
             self.kv.end_schedule_step()
@@ -722,10 +785,19 @@ class LLMEngine:
             self.stage_outputs.collect(out, self.runner.last_outputs)
         progressed = self.scheduler.update_from_output(out, sampled)
         results = []
+        merged: dict[str, RequestOutput] = {}  # n > 1: one output a step for each request, all its sequences
         for req in progressed:
-            results.append(self._output(req))
+            result = self._output(req)
             if req.status.finished:
                 self._forget(req.request_id)
+            parent = self._parent_of.get(req.request_id)
+            if parent is None:
+                results.append(result)
+            else:
+                merged[parent.request_id] = result = parent.merge(result)
+                if result.finished:
+                    self._drop_parent(parent)
+        results.extend(merged.values())
         return results
 
     def _steps(self, out: SchedulerOutput) -> list[SeqStep]:

@@ -79,6 +79,9 @@ class Request(CacheRequest):
         self.mm_inputs: Any = None  # its validated multimodal inputs (kvpool.runner.multimodal.PreparedInputs)
         self.lora_name: str | None = None  # the LoRA adapter it runs with (kvpool.engine.lora_request)
         self.lora_waits = 0  # steps the scheduler passed it over for its adapter (max_loras)
+        # n > 1: the requests that run it, one per sequence (kvpool.engine.parallel_sampling); this one,
+        # their template, is never scheduled itself.
+        self.children: list[Request] = []
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)

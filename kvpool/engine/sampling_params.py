@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# n: sequences sampled from one prompt at most (OpenAI's bound). Each is a request of its own in the scheduler,
+# sharing the prompt's blocks (kvpool.engine.parallel_sampling).
+MAX_N = 128
+
 
 @dataclass
 class SamplingParams:
@@ -54,8 +58,8 @@ class SamplingParams:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
                                             or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
-        if self.n != 1 or type(self.n) is not int:
-            raise ValueError(f"n: only n=1 is supported, got {self.n!r}")
+        if type(self.n) is not int or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be an int in [1, {MAX_N}] (sequences sampled from the prompt), got {self.n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             # (torch's generators take 64-bit seeds: a larger one would fail on the engine thread)

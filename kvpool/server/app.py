@@ -26,7 +26,7 @@ from kvpool.core import hit_rules
 from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from kvpool.engine.lora_request import LoRARequest
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.runner.multimodal import MMInput
 from kvpool.server.errors import (
@@ -92,7 +92,8 @@ def _validation_error(e: ValidationError) -> APIError:
 
 
 def usage_json(out: RequestOutput) -> dict[str, Any]:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    """The prompt counted once, every choice's tokens (n > 1: the prompt is computed once, shared)."""
+    n_prompt, n_out = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
@@ -107,10 +108,9 @@ class _TextDeltas:
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.sent = 0
 
-    def next(self, out: RequestOutput) -> str:
-        text = out.text
+    def next(self, text: str, finished: bool) -> str:
         end = len(text)
-        if not out.finished:
+        if not finished:
             end -= self._hold
             while end > self.sent and text[end - 1] == "\ufffd":
                 end -= 1
@@ -189,17 +189,21 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         finally:
             stream.abort()
 
-    def finish_fields(out: RequestOutput | None, final: bool) -> dict[str, Any]:
+    def finish_fields(out: CompletionOutput | None, final: bool) -> dict[str, Any]:
         """A choice's finish_reason and vLLM's stop_reason (the stop string or stop_token_ids entry that ended
         it; None for EOS and the length limit), both None until the choice's last chunk."""
         if out is None or not final:
             return {"finish_reason": None, "stop_reason": None}
-        return {"finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
+        return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
-    def sse(stream: RequestStream, chunk: Callable[[str, RequestOutput | None, bool], dict[str, Any]],
+    def sse(stream: RequestStream, chunk: Callable[[str, CompletionOutput, bool], dict[str, Any]],
             params: SamplingParams, include_usage: bool, rid: str, obj: str,
-            first: dict[str, Any] | None = None, model: str = model_name) -> StreamingResponse:
-        deltas = _TextDeltas(params)
+            first: Sequence[dict[str, Any]] = (), model: str = model_name) -> StreamingResponse:
+        """The stream's chunks: one choice each (n > 1: the choices interleave, each by its index, as
+        OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its finish_reason on its
+        last chunk."""
+        deltas = [_TextDeltas(params) for _ in range(params.n)]
+        ended = [False] * params.n
 
         def data(body: dict[str, Any]) -> str:
             if include_usage:  # (OpenAI: null in every chunk but the last, which carries it)
@@ -208,13 +212,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
 
         async def events() -> AsyncIterator[str]:
             try:
-                if first is not None:
-                    yield data(first)
+                for body in first:
+                    yield data(body)
                 out = None
                 async for out in stream:
-                    text = deltas.next(out)
-                    if text or out.finished:
-                        yield data(chunk(text, out, out.finished))
+                    for o in out.outputs:
+                        if ended[o.index]:
+                            continue
+                        final = o.finish_reason is not None
+                        text = deltas[o.index].next(o.text, final)
+                        if text or final:
+                            ended[o.index] = final
+                            yield data(chunk(text, o, final))
                 if include_usage and out is not None:
                     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
                             "choices": [], "usage": usage_json(out)}
@@ -386,8 +395,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         stream = await start(prompt, params, body.cache_salt, lora=lora, rename=rename)
         rid = f"cmpl-{stream.request_id}"
 
-        def choice(text: str, out: RequestOutput | None, final: bool) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": None, **finish_fields(out, final)}
+        def choice(text: str, out: CompletionOutput, final: bool) -> dict[str, Any]:
+            return {"index": out.index, "text": text, "logprobs": None, **finish_fields(out, final)}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
@@ -395,8 +404,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                                                 "model": served, "choices": [choice(t, o, f)]},
                        params, include, rid, "text_completion", model=served)
         out = await finish(request, stream)
-        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": served, "choices": [choice(out.text, out, True)], "usage": usage_json(out)})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": served,
+                             "choices": [choice(o.text, o, True) for o in out.outputs], "usage": usage_json(out)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -419,20 +428,22 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         stream = await start(ids, params, body.cache_salt, mm, lora, rename)
         rid = f"chatcmpl-{stream.request_id}"
 
-        def chunk(text: str, out: RequestOutput | None, final: bool, delta: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
+        def chunk(text: str, out: CompletionOutput | None, final: bool, index: int = 0,
+                  delta: dict[str, Any] | None = None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": served,
-                    "choices": [{"index": 0, "delta": delta if delta is not None else {"content": text},
+                    "choices": [{"index": out.index if out is not None else index,
+                                 "delta": delta if delta is not None else {"content": text},
                                  "logprobs": None, **finish_fields(out, final)}]}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
-            return sse(stream, chunk, params, include, rid, "chat.completion.chunk",
-                       first=chunk("", None, False, {"role": "assistant", "content": ""}), model=served)
+            # Each choice opens with the assistant's role, as vLLM's do.
+            opening = [chunk("", None, False, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
+            return sse(stream, chunk, params, include, rid, "chat.completion.chunk", first=opening, model=served)
         out = await finish(request, stream)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served,
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                                          "logprobs": None, **finish_fields(out, True)}],
+                             "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                                          "logprobs": None, **finish_fields(o, True)} for o in out.outputs],
                              "usage": usage_json(out)})
 
     return app

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (penalties, logprobs, n > 1, logit_bias, response_format, tools, guided decoding, vLLM's
+result (penalties, logprobs, logit_bias, response_format, tools, guided decoding, vLLM's
 min_p / min_tokens / repetition_penalty / beam search / allowed or bad words / special-token and chat
 template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
 """

@@ -19,7 +19,7 @@ def llm(tiny_llama_dir: Path) -> LLM:
 @pytest.mark.parametrize(("kw", "field"), [
     (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(n=2), "n"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(n=0), "n"),
     (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kw: dict, field: str) -> None:
@@ -271,11 +271,11 @@ def test_memory_no_machine_has_is_a_value_error(tiny_llama_dir: Path, kw: dict, 
         LLM(str(tiny_llama_dir), **args)  # type: ignore[arg-type]
 
 
-def test_stop_strings_need_the_tokenizer_and_n_is_the_int_one(llm: LLM) -> None:
+def test_stop_strings_need_the_tokenizer_and_n_is_an_int(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"^stop: stop strings need the tokenizer .*use stop_token_ids"):
         llm.generate([[1, 2, 3]], SamplingParams.greedy(4, stop=["ab"]), use_tqdm=False)
     for n in (True, 1.0):
-        with pytest.raises(ValueError, match=r"^n: only n=1 is supported"):
+        with pytest.raises(ValueError, match=r"^n: must be an int in \[1, 128\]"):
             SamplingParams(n=n)  # type: ignore[arg-type]
     assert not llm.engine.has_unfinished_requests()
 

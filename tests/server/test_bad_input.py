@@ -51,7 +51,7 @@ CASES = [
     ("/v1/completions", body(temperature=-1), 400, "temperature", "temperature: must be >= 0"),
     ("/v1/completions", body(top_p=2), 400, "top_p", "top_p: must be in (0, 1]"),
     ("/v1/completions", body(top_k=-3), 400, "top_k", "top_k"),
-    ("/v1/completions", body(n=3), 400, "n", "n: only n=1 is supported"),
+    ("/v1/completions", body(n=129), 400, "n", "n: must be an int in [1, 128]"),
     ("/v1/completions", body(seed="x"), 400, "seed", "seed: Input should be a valid integer"),
     ("/v1/completions", body(stop=[""]), 400, "stop", "stop: every stop string"),
     ("/v1/completions", body(stop=["x"] * 65), 400, "stop", "stop: at most 64 stop strings, got 65"),

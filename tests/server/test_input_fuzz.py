@@ -95,7 +95,7 @@ SAMPLING = {
     "temperature": field(SMALL_FLOATS, FLOATS),
     "top_p": field(st.floats(0, 1, exclude_min=True), FLOATS),
     "top_k": field(st.integers(-1, 60000), INTS),
-    "n": field(st.just(1), INTS),
+    "n": field(st.sampled_from([1, 1, 2, 3]), INTS),
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
                             st.one_of(st.fixed_dictionaries({}, optional={"include_usage": SCALARS, "extra": ANY}),

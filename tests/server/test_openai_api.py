@@ -172,3 +172,36 @@ def test_metrics_count_requests_and_latencies(server: ServerHandle, client: open
     assert delta == {"kvpool:time_to_first_token_seconds_count": 2, "kvpool:generation_tokens_total": 8,
                      "kvpool:request_success_total": 2, "kvpool:prefix_cache_queries_total": 70}
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_n_choices_streaming_or_not(client: openai.OpenAI, offline) -> None:
+    """n > 1: choices by index, each the answer a request of its own gives (greedy: the same one; seeded:
+    choice i is the request with seed + i), streamed interleaved; usage counts the prompt once and every
+    choice's tokens."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    want, _ = offline_text(offline, prompt, 6)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, n=3)
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(i, want, "length") for i in range(3)]
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == len(offline.encode(prompt))
+    seeded = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=3, n=2)
+    alone = [client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=3 + i
+                                       ).choices[0].text for i in range(2)]
+    assert [c.text for c in seeded.choices] == alone and alone[0] != alone[1]
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=3, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == alone[i]
+        assert [c.finish_reason for c in mine][-1] == "length" and all(c.finish_reason is None for c in mine[:-1])
+    assert chunks[-1].usage.completion_tokens == 12
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, n=2,
+                                                   stream=True))
+    for i in range(2):
+        mine = [c.choices[0] for c in streamed if c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == chat.choices[i].message.content
+        assert mine[-1].finish_reason == chat.choices[i].finish_reason
