@@ -10,7 +10,8 @@ of a prompt is always computed, and a partial block is a sequence's own). With p
 child computes the whole prompt.
 
 `ParentRequest` merges the children's outputs back into one `RequestOutput` under the parent's id whose
-`outputs` are the choices in index order, finished when every child is.
+`outputs` are the choices in index order, finished when every child is; its timings are the request's
+(first token: the first choice's; finished: the last's).
 """
 
 from __future__ import annotations
@@ -54,10 +55,17 @@ class ParentRequest:
         prompt's own: the others share its blocks); finished once every child is."""
         self._latest[self.index[out.request_id]] = out
         first = self._latest[min(self._latest)]
+        finished = self.finished
+        metrics = first.metrics
+        if metrics is not None:  # the request's first token is its first choice's; it ends with its last
+            seen = [o.metrics for o in self._latest.values() if o.metrics is not None]
+            firsts = [m.first_token_time for m in seen if m.first_token_time is not None]
+            metrics = replace(metrics, first_token_time=min(firsts, default=None), finished_time=max(
+                (m.finished_time for m in seen if m.finished_time is not None), default=None) if finished else None)
         return RequestOutput(
             request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=[replace(self._latest[i].outputs[0], index=i) for i in sorted(self._latest)],
-            finished=self.finished, num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)
+            finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=metrics)
 
     @property
     def finished(self) -> bool:

@@ -74,8 +74,9 @@ class ServerMetrics:
         for v in s.inter_token_latencies:
             self.itl.observe(v)
         for out in s.finished:
-            reason = out.outputs[0].finish_reason or "abort"
-            self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
+            for choice in out.outputs:  # (n > 1: each sequence, as vLLM counts its child requests)
+                reason = choice.finish_reason or "abort"
+                self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
             m = out.metrics
             if m is None:
                 continue

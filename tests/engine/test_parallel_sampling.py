@@ -7,6 +7,7 @@ stops every sequence and leaks no block, and the children's ids cannot be taken 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -103,11 +104,17 @@ def test_a_sequence_aborted_alone_finishes_the_request_with_the_others(tiny_llam
     eng.add_request(PROMPT, SamplingParams.greedy(3, n=2), request_id="y")
     out = eng.abort_request(child_id("y", 0))
     assert out is not None and not out.finished and [o.finish_reason for o in out.outputs] == ["abort"]
+    assert out.metrics is not None and out.metrics.finished_time is None  # (the request is not finished)
+    aborted_at = time.time()
     last = None
     while eng.has_unfinished_requests():
         for o in eng.step():
             last = o
     assert last is not None and last.finished and [o.finish_reason for o in last.outputs] == ["abort", "length"]
+    # The request's timings: its first token is the second choice's (the first had none), it ends with it.
+    m = last.metrics
+    assert m is not None and m.first_token_time is not None and m.finished_time is not None
+    assert aborted_at <= m.first_token_time <= m.finished_time
     assert eng.stats().kv_usage == 0.0 and not eng._parents and not eng._parent_of
 
 
