@@ -287,7 +287,7 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
             "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
                          "finish_reason": thinker_out.outputs[0].finish_reason}],
-            "usage": usage_json(thinker_out), "omni": omni_json(out)})
+            "usage": usage_json([thinker_out]), "omni": omni_json(out)})
 
     return app
 

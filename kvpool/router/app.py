@@ -559,7 +559,7 @@ class Router:
                 before = self._chat_ids(chat_messages(req.messages[:first]), False) if first else []
                 return ids, req.cache_salt, images, len(before) if ids[:len(before)] == before else 0
             creq = CompletionRequest.model_validate(body)
-            prompt = creq.single_prompt()
+            prompt = creq.prompts()[0]  # (a batch goes to one replica: routed by its first prompt)
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     return None, creq.cache_salt, None, 0

@@ -8,7 +8,7 @@ tokens into events differently. The replacement's text must begin with what the 
 not (a replica with other weights), the stream ends with an error event rather than a spliced answer.
 
 A request is taken up only where the answer is one stream of text that another replica reproduces: one
-choice, no prompt echo, and greedy or seeded.
+choice (n = 1, one prompt), no prompt echo, and greedy or seeded.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def resumable(body: dict[str, Any]) -> bool:
     text skip would cut wrongly: no tool calls, no per-token logprobs)."""
     if body.get("n") not in (None, 1) or body.get("echo") or body.get("best_of") not in (None, 1):
         return False
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
+        return False  # a batch of prompts: its choices interleave
     if any(body.get(k) for k in ("tools", "functions", "logprobs", "top_logprobs")):
         return False
     seed, temperature, top_k = body.get("seed"), body.get("temperature"), body.get("top_k")

@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -91,11 +92,46 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{field}: {' / '.join(msgs[:4])}", field)
 
 
-def usage_json(out: RequestOutput) -> dict[str, Any]:
-    """The prompt counted once, every choice's tokens (n > 1: the prompt is computed once, shared)."""
-    n_prompt, n_out = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+def usage_json(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Each prompt counted once (n > 1: it is computed once, shared), every choice's tokens."""
+    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+
+
+async def merged(streams: Sequence[RequestStream], n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt number, output) from a batch's streams as they come, each output's choices numbered across
+    the batch (prompt i's choice j is i * n + j, as OpenAI's and vLLM's). A stream's error ends it all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, replace(item, outputs=[replace(c, index=i * n + c.index) for c in item.outputs])
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class _TextDeltas:
@@ -169,25 +205,27 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         except EngineOverloadedError as e:
             raise APIError(503, f"server overloaded: {e}; retry later") from None
 
-    async def finish(request: Request, stream: RequestStream) -> RequestOutput:
-        """The final output; aborts the request if the client goes away first."""
+    async def finish(request: Request, streams: Sequence[RequestStream], n: int = 1) -> list[RequestOutput]:
+        """The final outputs, prompt by prompt (choices numbered across them); aborts every request if the
+        client goes away first."""
 
-        async def last() -> RequestOutput:
-            out = None
-            async for out in stream:  # noqa: B007
-                pass
-            assert out is not None
-            return out
+        async def last() -> list[RequestOutput]:
+            outs: dict[int, RequestOutput] = {}
+            async for i, out in merged(streams, n):
+                outs[i] = out
+            assert len(outs) == len(streams)
+            return [outs[i] for i in range(len(streams))]
 
         try:
-            done, out = await until_disconnected(last(), request)
-            if not done or out is None:
+            done, outs = await until_disconnected(last(), request)
+            if not done or outs is None:
                 raise ClientDisconnected
-            return out
+            return outs
         except ValueError as e:  # refused on the engine thread when queued (e.g. a request id in use)
             raise APIError.from_value_error(e) from None
         finally:
-            stream.abort()
+            for stream in streams:
+                stream.abort()
 
     def finish_fields(out: CompletionOutput | None, final: bool) -> dict[str, Any]:
         """A choice's finish_reason and vLLM's stop_reason (the stop string or stop_token_ids entry that ended
@@ -196,14 +234,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             return {"finish_reason": None, "stop_reason": None}
         return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
-    def sse(stream: RequestStream, chunk: Callable[[str, CompletionOutput, bool], dict[str, Any]],
+    def sse(streams: Sequence[RequestStream], chunk: Callable[[str, CompletionOutput, bool], dict[str, Any]],
             params: SamplingParams, include_usage: bool, rid: str, obj: str,
             first: Sequence[dict[str, Any]] = (), model: str = model_name) -> StreamingResponse:
-        """The stream's chunks: one choice each (n > 1: the choices interleave, each by its index, as
-        OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its finish_reason on its
-        last chunk."""
-        deltas = [_TextDeltas(params) for _ in range(params.n)]
-        ended = [False] * params.n
+        """The streams' chunks: one choice each (n > 1 or a batch of prompts: the choices interleave, each
+        by its index, as OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its
+        finish_reason on its last chunk."""
+        deltas = [_TextDeltas(params) for _ in range(len(streams) * params.n)]
+        ended = [False] * len(deltas)
 
         def data(body: dict[str, Any]) -> str:
             if include_usage:  # (OpenAI: null in every chunk but the last, which carries it)
@@ -214,8 +252,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             try:
                 for body in first:
                     yield data(body)
-                out = None
-                async for out in stream:
+                last: dict[int, RequestOutput] = {}
+                async for i, out in merged(streams, params.n):
+                    last[i] = out
                     for o in out.outputs:
                         if ended[o.index]:
                             continue
@@ -224,16 +263,17 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                         if text or final:
                             ended[o.index] = final
                             yield data(chunk(text, o, final))
-                if include_usage and out is not None:
+                if include_usage and last:
                     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                            "choices": [], "usage": usage_json(out)}
+                            "choices": [], "usage": usage_json(list(last.values()))}
                     yield f"data: {json.dumps(body)}\n\n"
             except EngineDeadError as e:  # (the same error object as a response's, `param` included)
                 yield f"data: {json.dumps(APIError(503, str(e)).body())}\n\n"
             except ValueError as e:  # refused on the engine thread when queued
                 yield f"data: {json.dumps(APIError.from_value_error(e).body())}\n\n"
             finally:
-                stream.abort()  # a no-op when finished; frees the blocks when the client left mid-stream
+                for stream in streams:
+                    stream.abort()  # a no-op when finished; frees the blocks when the client left mid-stream
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -387,25 +427,34 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         body = await read_body(request, CompletionRequest, max_body_bytes)
         lora = check_model(body.model)
         served = lora.lora_name if lora is not None else model_name
-        rename = {"prompt_token_ids": "prompt"}
         try:
-            prompt, params = body.single_prompt(), body.to_sampling_params(engine.engine.sampling_defaults)
+            prompts, params = body.prompts(), body.to_sampling_params(engine.engine.sampling_defaults)
         except ValueError as e:
-            raise APIError.from_value_error(e, rename) from None
-        stream = await start(prompt, params, body.cache_salt, lora=lora, rename=rename)
-        rid = f"cmpl-{stream.request_id}"
+            raise APIError.from_value_error(e, {"prompt_token_ids": "prompt"}) from None
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):  # (a batch: each prompt a request; all or none)
+                name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                streams.append(await start(prompt, params, body.cache_salt, lora=lora,
+                                           rename={"prompt_token_ids": name, "prompt": name}))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        rid = f"cmpl-{streams[0].request_id}"
 
         def choice(text: str, out: CompletionOutput, final: bool) -> dict[str, Any]:
             return {"index": out.index, "text": text, "logprobs": None, **finish_fields(out, final)}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
-            return sse(stream, lambda t, o, f: {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                                "model": served, "choices": [choice(t, o, f)]},
+            return sse(streams, lambda t, o, f: {"id": rid, "object": "text_completion", "created": int(time.time()),
+                                                 "model": served, "choices": [choice(t, o, f)]},
                        params, include, rid, "text_completion", model=served)
-        out = await finish(request, stream)
+        outs = await finish(request, streams, params.n)
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": served,
-                             "choices": [choice(o.text, o, True) for o in out.outputs], "usage": usage_json(out)})
+                             "choices": [choice(o.text, o, True) for out in outs for o in out.outputs],
+                             "usage": usage_json(outs)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -439,11 +488,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             include = body.stream_options is not None and body.stream_options.include_usage
             # Each choice opens with the assistant's role, as vLLM's do.
             opening = [chunk("", None, False, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
-            return sse(stream, chunk, params, include, rid, "chat.completion.chunk", first=opening, model=served)
-        out = await finish(request, stream)
+            return sse([stream], chunk, params, include, rid, "chat.completion.chunk", first=opening, model=served)
+        [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                                           "logprobs": None, **finish_fields(o, True)} for o in out.outputs],
-                             "usage": usage_json(out)})
+                             "usage": usage_json([out])})
 
     return app

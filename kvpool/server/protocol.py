@@ -152,26 +152,31 @@ class _SamplingFields(BaseModel):
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
 
+MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions body (each a request in flight: see --max-pending)
+
+
 class CompletionRequest(_SamplingFields):
-    # A string or token ids; a list holding exactly one of those is accepted too (a batch of one).
+    # A string or token ids, or a batch: a list of strings or of token-id lists.
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one, or a batch's in order (their choices are numbered prompt by prompt, n each)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise ValueError("prompt: batches of several prompts are not supported; send one per request")
-            p = p[0]
-        if not p:
-            raise ValueError("prompt: must not be empty")
+        batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        if len(batch) > MAX_BATCH_PROMPTS:
+            raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(batch)}")
+        for i, one in enumerate(batch):
+            if not one:
+                raise ValueError("prompt: must not be empty" if len(batch) == 1 else
+                                 f"prompt[{i}]: must not be empty")
         if self.echo:
             raise ValueError("echo: not supported")
         if self.suffix:
             raise ValueError("suffix: not supported")
-        return p  # type: ignore[return-value]
+        return batch  # type: ignore[return-value]
 
 
 class ImageURL(BaseModel):

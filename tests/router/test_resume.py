@@ -40,6 +40,10 @@ def chat(delta: dict[str, Any], finish: str | None = None, id_: str = "chatcmpl-
     ({"temperature": 0, "logprobs": 2}, False),
     ({"temperature": 0, "top_logprobs": 3}, False),
     ({"temperature": 0, "tools": []}, True),
+    ({"temperature": 0, "prompt": ["a", "b"]}, False),  # (a batch's choices interleave)
+    ({"temperature": 0, "prompt": [[1, 2], [3]]}, False),
+    ({"temperature": 0, "prompt": ["a"]}, True),
+    ({"temperature": 0, "prompt": [1, 2, 3]}, True),  # (one prompt of token ids)
 ])
 def test_resumable(body: dict[str, Any], ok: bool) -> None:
     assert resumable(body) is ok

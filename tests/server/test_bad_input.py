@@ -38,7 +38,11 @@ CASES = [
     ("/v1/completions", body(prompt=""), 400, "prompt", "prompt: must not be empty"),
     ("/v1/completions", body(prompt=[]), 400, "prompt", "prompt: must not be empty"),
     ("/v1/completions", body(prompt=None), 400, "prompt", "prompt:"),
-    ("/v1/completions", body(prompt=["a", "b"]), 400, "prompt", "batches of several prompts"),
+    # A batch: the prompt at fault by its place (those before it, already queued, are aborted).
+    ("/v1/completions", body(prompt=["a", ""]), 400, "prompt[1]", "prompt[1]: must not be empty"),
+    ("/v1/completions", body(prompt=[[1, 2], [1, 10**6]]), 400, "prompt[1]", "prompt[1]: token ids must be in"),
+    ("/v1/completions", body(prompt=[[1, 2], list(range(600))]), 400, "prompt[1]", "the context holds 512"),
+    ("/v1/completions", body(prompt=["a"] * 257), 400, "prompt", "prompt: a batch holds at most 256 prompts"),
     ("/v1/completions", body(prompt=[1, -2]), 400, "prompt", "greater than or equal to 0"),
     ("/v1/completions", body(prompt=[1, 10**6]), 400, "prompt", "prompt: token ids must be in [0, 49152)"),
     ("/v1/completions", body(prompt=list(range(600))), 400, "prompt", "the context holds 512"),
@@ -350,17 +354,20 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_a_client_leaving_a_non_streaming_request_aborts_it_without_a_traceback(server: ServerHandle) -> None:
+@pytest.mark.parametrize(("extra", "sequences"), [({}, 1), ({"prompt": ["hi there", "hello"], "n": 2}, 4)])
+def test_a_client_leaving_a_non_streaming_request_aborts_it_without_a_traceback(server: ServerHandle, extra: dict,
+                                                                                sequences: int) -> None:
+    """(A batch of prompts with n > 1: every sequence of every prompt is aborted.)"""
     errors = _Records()
     logging.getLogger("uvicorn.error").addHandler(errors)
     generated = metric(server.url, "kvpool:generation_tokens_total")
     aborted = metric(server.url, "kvpool:request_success_total", finished_reason="abort")
     try:
-        leave_early(f"{server.url}/v1/completions", {**OK, "max_tokens": 480, "ignore_eos": True}, [server])
+        leave_early(f"{server.url}/v1/completions", {**OK, "max_tokens": 480, "ignore_eos": True, **extra}, [server])
     finally:
         logging.getLogger("uvicorn.error").removeHandler(errors)
     assert metric(server.url, "kvpool:generation_tokens_total") - generated < 480  # stopped early
-    assert metric(server.url, "kvpool:request_success_total", finished_reason="abort") == aborted + 1
+    assert metric(server.url, "kvpool:request_success_total", finished_reason="abort") == aborted + sequences
     assert not [m for m in errors.messages if "Exception in ASGI application" in m]
     assert server.engine.call_soon(lambda e: e.kv.usage).result(10) == 0.0
 

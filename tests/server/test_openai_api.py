@@ -205,3 +205,22 @@ def test_n_choices_streaming_or_not(client: openai.OpenAI, offline) -> None:
         assert mine[0].delta.role == "assistant"
         assert "".join(c.delta.content or "" for c in mine) == chat.choices[i].message.content
         assert mine[-1].finish_reason == chat.choices[i].finish_reason
+
+
+def test_a_batch_of_prompts_streaming_or_not(client: openai.OpenAI, offline) -> None:
+    """A list of prompts: each a request of its own, choices numbered prompt by prompt (prompt i's choice j
+    is i * n + j), each the answer the prompt gets alone; usage sums them."""
+    prompts = ["The quick brown fox", "Once upon a time there", "The quick brown fox jumps"]
+    want = [offline_text(offline, p, 5)[0] for p in prompts]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [(c.index, c.text) for c in r.choices] == [(i, want[i // 2]) for i in range(6)]
+    assert r.usage.prompt_tokens == sum(len(offline.encode(p)) for p in prompts) and r.usage.completion_tokens == 30
+    ids = [offline.encode(p) for p in prompts]
+    assert [c.text for c in client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0).choices
+            ] == want
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == want[i] and mine[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 15
