@@ -422,6 +422,11 @@ class LLMEngine:
         with self._tokenizer_lock:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text decoded alone (what OpenAI's logprobs show as a token)."""
+        with self._tokenizer_lock:
+            return list(self.tokenizer.batch_decode([[t] for t in token_ids]))
+
     def token_strs(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's own string in the vocabulary (vLLM's token_strs)."""
         with self._tokenizer_lock:
@@ -784,6 +789,10 @@ class LLMEngine:
         if self.stage_outputs is not None:
             self.stage_outputs.collect(out, self.runner.last_outputs)
         progressed = self.scheduler.update_from_output(out, sampled)
+        if self.runner.last_logprobs:
+            for req in progressed:
+                if req.logprobs is not None:
+                    req.logprobs.append(self.runner.last_logprobs[req.request_id])
         results = []
         merged: dict[str, RequestOutput] = {}  # n > 1: one output a step for each request, all its sequences
         for req in progressed:
@@ -808,7 +817,8 @@ class LLMEngine:
             tables = s.block_ids
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
                                  end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
-                                 tables if len(tables) > 1 else None, lora=req.lora_name))
+                                 tables if len(tables) > 1 else None, lora=req.lora_name,
+                                 logprobs=req.sampling_params.logprobs))
             if req.mm_inputs is not None:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)
         return steps
@@ -820,7 +830,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.all_token_ids[:req.num_prompt_tokens],
             outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), reason,
-                                      req.stop_reason if finished else None)],
+                                      req.stop_reason if finished else None,
+                                      list(req.logprobs) if req.logprobs is not None else None)],
             finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics,
             stage_outputs=self.stage_outputs.take(req.request_id) if finished and self.stage_outputs else None)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.engine.request import RequestMetrics
+from kvpool.runner.sampler import TokenLogprobs
 
 
 @dataclass
@@ -15,6 +16,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked (SamplingParams.logprobs)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.sampler import TokenLogprobs
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int, what: str = "prompt") -> None:
@@ -82,6 +83,8 @@ class Request(CacheRequest):
         # n > 1: the requests that run it, one per sequence (kvpool.engine.parallel_sampling); this one,
         # their template, is never scheduled itself.
         self.children: list[Request] = []
+        # Each output token's log-probabilities, when the request asks for them (SamplingParams.logprobs).
+        self.logprobs: list[TokenLogprobs] | None = [] if sampling_params.logprobs is not None else None
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)

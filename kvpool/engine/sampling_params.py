@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # n: sequences sampled from one prompt at most (OpenAI's bound). Each is a request of its own in the scheduler,
 # sharing the prompt's blocks (kvpool.engine.parallel_sampling).
 MAX_N = 128
+MAX_LOGPROBS = 20  # top tokens' log-probabilities per sampled token at most (OpenAI's and vLLM's default bound)
 
 
 @dataclass
@@ -22,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     include_stop_str_in_output: bool = False
+    # Each sampled token's log-probability and this many most likely tokens' (0: the sampled one's alone;
+    # None: none), under the model's own distribution (kvpool.runner.sampler.TokenLogprobs).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
         if type(self.n) is not int or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be an int in [1, {MAX_N}] (sequences sampled from the prompt), got {self.n!r}")
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}] (the top tokens to return), got "
+                             f"{self.logprobs!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             # (torch's generators take 64-bit seeds: a larger one would fail on the engine thread)

@@ -256,6 +256,11 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
                                 "thinker's whole text); send stream=false", "stream")
         if body.cache_salt is not None:
             raise APIError(400, "cache_salt: not supported by the omni server", "cache_salt")
+        if body.n != 1:
+            raise APIError(400, "n: the omni server answers with one choice (the talker speaks one text); send n=1",
+                           "n")
+        if body.logprobs:
+            raise APIError(400, "logprobs: not supported by the omni server", "logprobs")
         rename = body.param_renames()  # (the fields the client sent, as kvpool serve names them)
         try:
             params = body.to_sampling_params()

@@ -40,7 +40,7 @@ from kvpool.runner.models.llama import LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.models.mllama import CrossAttentionMetadata, CrossStep, plan_cross_attention
 from kvpool.runner.models.registry import resolve_model_class
 from kvpool.runner.multimodal import InputProcessor, MultiModalProcessor
-from kvpool.runner.sampler import SamplingLike, is_greedy, sample
+from kvpool.runner.sampler import SamplingLike, TokenLogprobs, is_greedy, sample, token_logprobs
 from kvpool.runner.stage_output_cache import StageOutputCache
 from kvpool.runner.state_cache import PagedBuffers, StateMetadata, large_page_bytes, layer_specs, plan_state
 
@@ -82,6 +82,7 @@ class SeqStep:
     # Cross-attention models: the request's image (its encoder states the first time), see kvpool.runner.models.mllama
     cross: CrossStep | None = None
     lora: str | None = None  # the LoRA adapter these tokens run with (kvpool.runner.lora); None: the base model
+    logprobs: int | None = None  # the sampled token's log-probability and this many top ones' (None: none)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
@@ -321,6 +322,8 @@ class ModelRunner:
             # Rows live at group 0's slots; a sliding group's table holds null blocks.
             raise ValueError("stage_output_cache: needs a model whose layers are all full attention")
         self.last_outputs: dict[str, dict[str, torch.Tensor]] = {}
+        # The last step's log-probabilities, by request, for the sequences that asked for them (SeqStep.logprobs).
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
         self.lora: LoRAManager | None = None  # set by enable_lora
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
@@ -601,6 +604,7 @@ class ModelRunner:
         The step's swap plan runs first: the forward may read blocks it copies in.
         """
         self.execute_swaps(swap_plan)
+        self.last_logprobs = {}
         if not steps:
             return {}
         if self.lora is not None:
@@ -629,7 +633,7 @@ class ModelRunner:
             # One row per call, so always the one-row kernel, whatever the batch: as invariant as
             # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
-        elif all(is_greedy(s.sampling) for s in want):
+        elif all(is_greedy(s.sampling) and s.logprobs is None for s in want):
             # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
             tokens = self.model.greedy_tokens(last, self._argmax_rows).tolist()
             return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}
@@ -637,4 +641,8 @@ class ModelRunner:
             logits = self.model.compute_logits(last)
         params = [s.sampling for s in want]
         tokens = sample(logits, params, [s.generator for s in want])  # type: ignore[arg-type]
+        asked = [i for i, s in enumerate(want) if s.logprobs is not None]
+        if asked:  # (greedy rows too take their token off these fp32 logits: the argmax is the same)
+            lps = token_logprobs(logits[asked], [tokens[i] for i in asked], [want[i].logprobs for i in asked])  # type: ignore[misc]
+            self.last_logprobs = {want[i].req_id: lp for i, lp in zip(asked, lps, strict=True)}
         return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}

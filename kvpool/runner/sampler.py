@@ -1,7 +1,9 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, with per-request seeded generators; and
+the log-probabilities a request asks for (`logprobs`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -51,3 +53,25 @@ def sample(logits: torch.Tensor, params: list[SamplingLike],
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
     return out
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the `k` most likely tokens' (most likely first), under the
+    model's own distribution: the log-softmax of its logits before temperature, top-k and top-p (vLLM's
+    default, "raw_logprobs"), so the numbers do not depend on how the token was drawn."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """logits: (B, vocab) float32, one row per sampled token; ks: how many top tokens each row wants."""
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    k_max = max(ks)
+    top_v, top_i = torch.topk(logp, k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprobs(t, lp, tuple(zip(top_i[r][:k], top_v[r][:k], strict=True)))
+            for r, (t, lp, k) in enumerate(zip(tokens, picked, ks, strict=True))]

@@ -39,6 +39,7 @@ from kvpool.server.errors import (
     until_disconnected,
 )
 from kvpool.server.json_body import BodyError, parse_json_object
+from kvpool.server.logprobs import LogprobsWriter
 from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import (
@@ -234,14 +235,20 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             return {"finish_reason": None, "stop_reason": None}
         return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
-    def sse(streams: Sequence[RequestStream], chunk: Callable[[str, CompletionOutput, bool], dict[str, Any]],
-            params: SamplingParams, include_usage: bool, rid: str, obj: str,
+    def logprobs_writer(params: SamplingParams, chat: bool) -> LogprobsWriter | None:
+        """A choice's, when the request asks for logprobs."""
+        return LogprobsWriter(engine.engine.token_texts, chat) if params.logprobs is not None else None
+
+    def sse(streams: Sequence[RequestStream],
+            chunk: Callable[[str, CompletionOutput, bool, dict[str, Any] | None], dict[str, Any]],
+            params: SamplingParams, include_usage: bool, rid: str, obj: str, stamp: int,
             first: Sequence[dict[str, Any]] = (), model: str = model_name) -> StreamingResponse:
         """The streams' chunks: one choice each (n > 1 or a batch of prompts: the choices interleave, each
         by its index, as OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its
         finish_reason on its last chunk."""
         deltas = [_TextDeltas(params) for _ in range(len(streams) * params.n)]
         ended = [False] * len(deltas)
+        logprobs = [logprobs_writer(params, obj.startswith("chat")) for _ in deltas]
 
         def data(body: dict[str, Any]) -> str:
             if include_usage:  # (OpenAI: null in every chunk but the last, which carries it)
@@ -260,11 +267,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                             continue
                         final = o.finish_reason is not None
                         text = deltas[o.index].next(o.text, final)
-                        if text or final:
+                        if text or final:  # (with the logprobs of every token since the choice's last chunk)
                             ended[o.index] = final
-                            yield data(chunk(text, o, final))
+                            w = logprobs[o.index]
+                            yield data(chunk(text, o, final, w.next(o.logprobs) if w else None))
                 if include_usage and last:
-                    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                    body = {"id": rid, "object": obj, "created": stamp, "model": model,
                             "choices": [], "usage": usage_json(list(last.values()))}
                     yield f"data: {json.dumps(body)}\n\n"
             except EngineDeadError as e:  # (the same error object as a response's, `param` included)
@@ -341,8 +349,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                 return JSONResponse(pin_json(await engine.call(pin)))
             except PrefixNotCached:
                 # Compute the prefix (one token of output), then pin what it cached.
-                await finish(request, await start(prompt, SamplingParams(max_tokens=1), body.cache_salt,
-                                                  rename=rename))
+                await finish(request, [await start(prompt, SamplingParams(max_tokens=1), body.cache_salt,
+                                                   rename=rename)])
                 return JSONResponse(pin_json(await engine.call(pin)))
         except PinBudgetExceeded as e:
             raise APIError(409, APIError.from_value_error(e, rename).message, field) from None
@@ -441,19 +449,21 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             for stream in streams:
                 stream.abort()
             raise
-        rid = f"cmpl-{streams[0].request_id}"
+        rid, stamp = f"cmpl-{streams[0].request_id}", int(time.time())  # (one `created` for every chunk)
 
-        def choice(text: str, out: CompletionOutput, final: bool) -> dict[str, Any]:
-            return {"index": out.index, "text": text, "logprobs": None, **finish_fields(out, final)}
+        def choice(text: str, out: CompletionOutput, final: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+            return {"index": out.index, "text": text, "logprobs": logprobs, **finish_fields(out, final)}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
-            return sse(streams, lambda t, o, f: {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                                 "model": served, "choices": [choice(t, o, f)]},
-                       params, include, rid, "text_completion", model=served)
+            return sse(streams, lambda t, o, f, lp: {"id": rid, "object": "text_completion", "created": stamp,
+                                                     "model": served, "choices": [choice(t, o, f, lp)]},
+                       params, include, rid, "text_completion", stamp, model=served)
         outs = await finish(request, streams, params.n)
-        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": served,
-                             "choices": [choice(o.text, o, True) for out in outs for o in out.outputs],
+        return JSONResponse({"id": rid, "object": "text_completion", "created": stamp, "model": served,
+                             "choices": [choice(o.text, o, True, w.next(o.logprobs) if w else None)
+                                         for out in outs for o in out.outputs
+                                         for w in [logprobs_writer(params, chat=False)]],
                              "usage": usage_json(outs)})
 
     @app.post("/v1/chat/completions")
@@ -475,24 +485,26 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         except Exception as e:
             raise template_refused(e) from None
         stream = await start(ids, params, body.cache_salt, mm, lora, rename)
-        rid = f"chatcmpl-{stream.request_id}"
+        rid, stamp = f"chatcmpl-{stream.request_id}", int(time.time())  # (one `created` for every chunk)
 
-        def chunk(text: str, out: CompletionOutput | None, final: bool, index: int = 0,
-                  delta: dict[str, Any] | None = None) -> dict[str, Any]:
-            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": served,
+        def chunk(text: str, out: CompletionOutput | None, final: bool, logprobs: dict[str, Any] | None = None,
+                  index: int = 0, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+            return {"id": rid, "object": "chat.completion.chunk", "created": stamp, "model": served,
                     "choices": [{"index": out.index if out is not None else index,
                                  "delta": delta if delta is not None else {"content": text},
-                                 "logprobs": None, **finish_fields(out, final)}]}
+                                 "logprobs": logprobs, **finish_fields(out, final)}]}
 
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             # Each choice opens with the assistant's role, as vLLM's do.
-            opening = [chunk("", None, False, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
-            return sse([stream], chunk, params, include, rid, "chat.completion.chunk", first=opening, model=served)
+            opening = [chunk("", None, False, None, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
+            return sse([stream], chunk, params, include, rid, "chat.completion.chunk", stamp, first=opening,
+                       model=served)
         [out] = await finish(request, [stream])
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served,
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                                          "logprobs": None, **finish_fields(o, True)} for o in out.outputs],
+                                          "logprobs": w.next(o.logprobs) if w else None, **finish_fields(o, True)}
+                                         for o in out.outputs for w in [logprobs_writer(params, chat=True)]],
                              "usage": usage_json([out])})
 
     return app

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (penalties, logprobs, logit_bias, response_format, tools, guided decoding, vLLM's
+result (penalties, prompt logprobs, logit_bias, response_format, tools, guided decoding, vLLM's
 min_p / min_tokens / repetition_penalty / beam search / allowed or bad words / special-token and chat
 template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
 """
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 64  # per request (OpenAI's limit is 4; vLLM's clients send more)
 
@@ -41,7 +41,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "min_tokens": _none_or(0),
     "repetition_penalty": _none_or(1),
     "min_p": _none_or(0),
-    "top_logprobs": _none_or(0),
     "prompt_logprobs": _none_or(),
     "guided_json": _none_or(),
     "guided_regex": _none_or(),
@@ -129,10 +128,6 @@ class _SamplingFields(BaseModel):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name}: not supported (must be 0)")
-        # (chat's false asks for nothing; a completion's 0 asks for the sampled token's logprob, as OpenAI and
-        # vLLM read it: refused like any other count)
-        if not (self.logprobs is None or self.logprobs is False):
-            raise ValueError(f"logprobs: not supported (got {self.logprobs!r:.40})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true (as OpenAI's and vLLM's servers)")
         extra = self.model_extra or {}  # fields not declared here: bookkeeping, or _UNSUPPORTED's
@@ -146,7 +141,17 @@ class _SamplingFields(BaseModel):
         return SamplingParams(
             **sampling, max_tokens=self._max_tokens(), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed, ignore_eos=self.ignore_eos, n=self.n,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs())
+
+    def _logprobs(self) -> int | None:
+        """SamplingParams.logprobs: a completion's `logprobs` is the count of top tokens (0: the sampled
+        token's alone, as OpenAI and vLLM read it); chat's is a flag, with the count in `top_logprobs`."""
+        v = self.logprobs
+        if v is None or v is False:  # (false: chat's "none", sent to a completion by clients written for both)
+            return None
+        if type(v) is not int:
+            raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}] (the top tokens), got {v!r:.40}")
+        return v  # (SamplingParams checks the range)
 
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -226,6 +231,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+
+    def _logprobs(self) -> int | None:
+        if self.logprobs is not None and type(self.logprobs) is not bool:
+            raise ValueError(f"logprobs: must be true or false, got {self.logprobs!r:.40}")
+        if not self.logprobs:
+            if self.top_logprobs:  # (OpenAI's rule: the count means nothing without the flag)
+                raise ValueError("top_logprobs: needs logprobs: true")
+            return None
+        k = 0 if self.top_logprobs is None else self.top_logprobs
+        if not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs: must be an int in [0, {MAX_LOGPROBS}], got {k}")
+        return k
 
     @field_validator("max_tokens")
     @classmethod

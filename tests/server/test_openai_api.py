@@ -224,3 +224,49 @@ def test_a_batch_of_prompts_streaming_or_not(client: openai.OpenAI, offline) -> 
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
         assert "".join(c.text for c in mine) == want[i] and mine[-1].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 15
+
+
+def offline_logprobs(engine, prompt: list[int], max_tokens: int, k: int):
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens, logprobs=k))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out.outputs[0]
+    raise AssertionError("no output")
+
+
+def test_logprobs_in_both_shapes_streaming_or_not(client: openai.OpenAI, offline) -> None:
+    """Chat's `logprobs`/`top_logprobs` and a completion's `logprobs` count: the engine's numbers, each token
+    as its own decoded text, streamed token by token with the chunks that bring them."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    ids = offline.encode(prompt)
+    want = offline_logprobs(offline, ids, 6, 3)
+    texts = offline.token_texts(want.token_ids)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == texts and lp.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+    assert lp.text_offset == [sum(len(t) for t in texts[:i]) for i in range(6)]
+    assert [list(d) for d in lp.top_logprobs] == [offline.token_texts([i for i, _ in t.top]) for t in want.logprobs]
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                              stream=True))
+    parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs is not None]
+    assert [t for p in parts for t in p.tokens] == texts and [o for p in parts for o in p.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": prompt}]
+    chat_ids = offline.apply_chat_template(messages)
+    want = offline_logprobs(offline, chat_ids, 5, 2)
+    c = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert [t.token for t in content] == offline.token_texts(want.token_ids)
+    assert [t.logprob for t in content] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+    assert [t.bytes for t in content] == [list(t.token.encode()) for t in content]
+    assert [x.logprob for t in content for x in t.top_logprobs] == pytest.approx(
+        [v for t in want.logprobs for _, v in t.top], abs=1e-5)
+    assert [len(t.top_logprobs) for t in content] == [2] * 5
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                   logprobs=True, stream=True))
+    flat = [t for ch in streamed if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.top_logprobs) for t in flat] == [(t.token, []) for t in content]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == c.choices[0].message.content
