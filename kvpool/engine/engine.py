@@ -444,7 +444,8 @@ class LLMEngine:
                 if not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
                     raise ValueError(f"messages.{i}.content: parts are dicts with a 'type'")
                 if all(p["type"] == "text" and isinstance(p.get("text"), str) for p in content):
-                    content = "".join(p["text"] for p in content)  # text only: what every template reads
+                    # Text only: what every template reads, the parts a line apart (as vLLM joins them).
+                    content = "\n".join(p["text"] for p in content)
                 # (else image parts, for a template that places them: passed on as they are)
             elif not isinstance(content, str):
                 raise ValueError(f"messages.{i}.content: a string or a list of text parts, "

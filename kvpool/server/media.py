@@ -234,8 +234,9 @@ def _template_messages(messages: Sequence[ChatMessage], image_token: str | None)
             out.append({"role": role, "content": [{"type": "text", "text": p.text} if p.type == "text"
                                                   else {"type": "image"} for p in parts]})
         else:
-            out.append({"role": role, "content": "".join(p.text or "" if p.type == "text" else image_token
-                                                         for p in parts)})
+            # (parts a line apart, as vLLM joins a string template's text and image placeholders)
+            out.append({"role": role, "content": "\n".join(p.text or "" if p.type == "text" else image_token
+                                                           for p in parts)})
     return out
 
 

@@ -222,9 +222,9 @@ class ChatMessage(BaseModel):
         return v
 
     def text(self) -> str:
-        """The message's text (image parts left out)."""
+        """The message's text (image parts left out); text parts joined by a line break, as vLLM joins them."""
         if isinstance(self.content, list):
-            return "".join(p.text or "" for p in self.content if p.type == "text")
+            return "\n".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
 
 

@@ -108,6 +108,11 @@ def test_smollm2_chat_and_text(smol_llm: LLM) -> None:
     assert out.outputs[0].stop_reason is None  # EOS, as vLLM reports it (a stop_token_ids entry is named)
     assert out.metrics is not None and out.metrics.first_token_time is not None
     assert out.metrics.arrival_time <= out.metrics.first_token_time <= out.metrics.finished_time
+    # Content as text parts: the parts a line apart, as vLLM joins them (and as the server does).
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital of France?"}]
+    eng = smol_llm.engine
+    assert eng.apply_chat_template([{"role": "user", "content": parts}]) == eng.apply_chat_template(
+        [{"role": "user", "content": "What is\nthe capital of France?"}])
 
 
 def test_a_stop_tokens_text_is_left_out_unless_asked_for(smol_llm: LLM) -> None:

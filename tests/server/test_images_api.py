@@ -200,7 +200,8 @@ def test_a_template_that_takes_only_strings_gets_the_image_token_in_the_text(cha
     body = ChatCompletionRequest.model_validate(chat(data_url(picture(1)), text="Hi there"))
     ids, mm = chat_with_images(AsyncEngine(eng), body.messages, MediaOptions(), "vis")
     assert len(mm) == 1 and ids.count(eng.images.image_token_id) == 1
-    assert ids == eng.apply_chat_template([{"role": "user", "content": "<|image|>Hi there"}])
+    # (parts a line apart, as vLLM puts a string template's image placeholder before the text)
+    assert ids == eng.apply_chat_template([{"role": "user", "content": "<|image|>\nHi there"}])
 
 
 def test_file_url_under_the_allowed_path(vis: ServerHandle, media_dir: Path) -> None:

@@ -270,3 +270,19 @@ def test_logprobs_in_both_shapes_streaming_or_not(client: openai.OpenAI, offline
     assert [(t.token, t.top_logprobs) for t in flat] == [(t.token, []) for t in content]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == c.choices[0].message.content
+
+
+def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: ServerHandle) -> None:
+    """Content given as several text parts is the parts joined by a line break (vLLM's prompt, so its
+    cached blocks too), not run together."""
+    def ids(content: object) -> list[int]:
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": content}]})
+        return r.json()["tokens"]
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert ids(parts) == ids("Hello\nworld") != ids("Helloworld")
+    one = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=4,
+                                         temperature=0)
+    joined = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello\nworld"}],
+                                            max_tokens=4, temperature=0)
+    assert one.choices[0].message.content == joined.choices[0].message.content
