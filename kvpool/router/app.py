@@ -563,7 +563,7 @@ class Router:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     return None, creq.cache_salt, None, 0
-                ids = list(self.tokenizer.encode(prompt))
+                ids = list(self.tokenizer.encode(prompt, add_special_tokens=creq.add_special_tokens))
                 return ids, creq.cache_salt, None, len(ids)
             return list(prompt), creq.cache_salt, None, len(prompt)
         except (ValidationError, ValueError, TypeError, KeyError):

@@ -48,6 +48,7 @@ from kvpool.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     PinRequest,
+    StreamOptions,
     TokenizeRequest,
     chat_messages,
 )
@@ -241,25 +242,29 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
 
     def sse(streams: Sequence[RequestStream],
             chunk: Callable[[str, CompletionOutput, bool, dict[str, Any] | None], dict[str, Any]],
-            params: SamplingParams, include_usage: bool, rid: str, obj: str, stamp: int,
+            params: SamplingParams, options: StreamOptions | None, rid: str, obj: str, stamp: int,
             first: Sequence[dict[str, Any]] = (), model: str = model_name) -> StreamingResponse:
         """The streams' chunks: one choice each (n > 1 or a batch of prompts: the choices interleave, each
         by its index, as OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its
-        finish_reason on its last chunk."""
+        finish_reason on its last chunk. `options.include_usage`: a last chunk with the usage (null in the
+        others, as OpenAI's); with `continuous_usage_stats` too, each chunk of a choice carries the usage so
+        far (vLLM's)."""
         deltas = [_TextDeltas(params) for _ in range(len(streams) * params.n)]
         ended = [False] * len(deltas)
         logprobs = [logprobs_writer(params, obj.startswith("chat")) for _ in deltas]
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options is not None and options.continuous_usage_stats
+        last: dict[int, RequestOutput] = {}
 
-        def data(body: dict[str, Any]) -> str:
-            if include_usage:  # (OpenAI: null in every chunk but the last, which carries it)
-                body["usage"] = None
+        def data(body: dict[str, Any], running: bool = False) -> str:
+            if include_usage:
+                body["usage"] = usage_json(list(last.values())) if continuous and running else None
             return f"data: {json.dumps(body)}\n\n"
 
         async def events() -> AsyncIterator[str]:
             try:
                 for body in first:
                     yield data(body)
-                last: dict[int, RequestOutput] = {}
                 async for i, out in merged(streams, params.n):
                     last[i] = out
                     for o in out.outputs:
@@ -270,7 +275,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                         if text or final:  # (with the logprobs of every token since the choice's last chunk)
                             ended[o.index] = final
                             w = logprobs[o.index]
-                            yield data(chunk(text, o, final, w.next(o.logprobs) if w else None))
+                            yield data(chunk(text, o, final, w.next(o.logprobs) if w else None), running=True)
                 if include_usage and last:
                     body = {"id": rid, "object": obj, "created": stamp, "model": model,
                             "choices": [], "usage": usage_json(list(last.values()))}
@@ -443,6 +448,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         try:
             for i, prompt in enumerate(prompts):  # (a batch: each prompt a request; all or none)
                 name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                if isinstance(prompt, str) and not body.add_special_tokens:
+                    try:
+                        prompt = await asyncio.to_thread(engine.engine.encode, prompt, False)
+                    except ValueError as e:
+                        raise APIError.from_value_error(e, {"prompt": name}) from None
                 streams.append(await start(prompt, params, body.cache_salt, lora=lora,
                                            rename={"prompt_token_ids": name, "prompt": name}))
         except BaseException:
@@ -455,10 +465,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             return {"index": out.index, "text": text, "logprobs": logprobs, **finish_fields(out, final)}
 
         if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
             return sse(streams, lambda t, o, f, lp: {"id": rid, "object": "text_completion", "created": stamp,
                                                      "model": served, "choices": [choice(t, o, f, lp)]},
-                       params, include, rid, "text_completion", stamp, model=served)
+                       params, body.stream_options, rid, "text_completion", stamp, model=served)
         outs = await finish(request, streams, params.n)
         return JSONResponse({"id": rid, "object": "text_completion", "created": stamp, "model": served,
                              "choices": [choice(o.text, o, True, w.next(o.logprobs) if w else None)
@@ -495,11 +504,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                                  "logprobs": logprobs, **finish_fields(out, final)}]}
 
         if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
             # Each choice opens with the assistant's role, as vLLM's do.
             opening = [chunk("", None, False, None, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
-            return sse([stream], chunk, params, include, rid, "chat.completion.chunk", stamp, first=opening,
-                       model=served)
+            return sse([stream], chunk, params, body.stream_options, rid, "chat.completion.chunk", stamp,
+                       first=opening, model=served)
         [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},

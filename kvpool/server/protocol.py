@@ -20,7 +20,10 @@ MAX_STOP_STRINGS = 64  # per request (OpenAI's limit is 4; vLLM's clients send m
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # (an option not known here would be ignored: refused instead)
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk, not only in a last one
 
 
 def _none_or(*ok: Any) -> Callable[[Any], bool]:
@@ -59,9 +62,11 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "truncate_prompt_tokens": _none_or(),
     "skip_special_tokens": _none_or_flag(True),
     "spaces_between_special_tokens": _none_or_flag(True),
+    "return_token_ids": _none_or_flag(False),
     # ... and chat's (on /v1/completions `echo` is a field of its own, refused when true).
     "echo": _none_or_flag(False),
     "add_generation_prompt": _none_or_flag(True),
+    "add_special_tokens": _none_or_flag(False),  # (chat's: the template places the special tokens)
     "continue_final_message": _none_or_flag(False),
     "chat_template": _none_or(),
     "chat_template_kwargs": lambda v: v is None or v == {},
@@ -166,6 +171,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # (vLLM's: false tokenizes a text prompt without the BOS token)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one, or a batch's in order (their choices are numbered prompt by prompt, n each)."""

@@ -286,3 +286,16 @@ def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: S
     joined = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello\nworld"}],
                                             max_tokens=4, temperature=0)
     assert one.choices[0].message.content == joined.choices[0].message.content
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model="tiny", prompt="Count with me: one two", max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True}))
+    with_text = [c for c in chunks if c.choices]
+    counts = [c.usage.completion_tokens for c in with_text]
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in with_text)
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].usage.completion_tokens == 6
+    plain = list(client.completions.create(model="tiny", prompt="Count with me: one two", max_tokens=6, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 6
