@@ -438,17 +438,17 @@ class LLMEngine:
         flat = []
         for i, m in enumerate(_message_list(messages)):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise ValueError(f"messages.{i}: each message needs a string 'role' and a 'content'")
+                raise ValueError(f"messages[{i}]: each message needs a string 'role' and a 'content'")
             content = m["content"]
             if isinstance(content, list):  # content parts
                 if not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
-                    raise ValueError(f"messages.{i}.content: parts are dicts with a 'type'")
+                    raise ValueError(f"messages[{i}].content: parts are dicts with a 'type'")
                 if all(p["type"] == "text" and isinstance(p.get("text"), str) for p in content):
                     # Text only: what every template reads, the parts a line apart (as vLLM joins them).
                     content = "\n".join(p["text"] for p in content)
                 # (else image parts, for a template that places them: passed on as they are)
             elif not isinstance(content, str):
-                raise ValueError(f"messages.{i}.content: a string or a list of text parts, "
+                raise ValueError(f"messages[{i}].content: a string or a list of text parts, "
                                  f"got {type(content).__name__}")
             flat.append({**m, "content": content})
         messages = flat

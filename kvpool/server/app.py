@@ -79,14 +79,23 @@ async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|bytes|none|list|dict)$|[\[\]-]")
 
 
+def _path(parts: Sequence[str | int]) -> str:
+    """A location as the request writes it, list indexes in brackets (`messages[0].content`): the form every
+    `param` of kvpool's takes (images' parts, a batch's prompts), so a client maps each back one way."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
 def _validation_error(e: ValidationError) -> APIError:
     by_field: dict[str, list[str]] = {}
     for err in e.errors():
-        loc = [str(p) for p in err["loc"]]
-        cut = next((i for i, p in enumerate(loc) if i and _TYPE_TAG.search(p)), len(loc))
-        inner = ".".join(p for p in loc[cut:] if not _TYPE_TAG.search(p))
+        loc = list(err["loc"])
+        cut = next((i for i, p in enumerate(loc) if i and isinstance(p, str) and _TYPE_TAG.search(p)), len(loc))
+        inner = _path([p for p in loc[cut:] if not (isinstance(p, str) and _TYPE_TAG.search(p))])
         msg = f"{inner}: {err['msg']}" if inner else err["msg"]
-        msgs = by_field.setdefault(".".join(loc[:cut]) or "body", [])
+        msgs = by_field.setdefault(_path(loc[:cut]) or "body", [])
         if msg not in msgs:
             msgs.append(msg)
     field, msgs = next(iter(by_field.items()))

@@ -197,7 +197,7 @@ class ImageURL(BaseModel):
 
 class ContentPart(BaseModel):
     """A part of a message's content: text, or an image by URL (one model rather than a tagged union, so a
-    field's error names its path, `messages.0.content.1.image_url`, without the tag in it)."""
+    field's error names its path, `messages[0].content[1].image_url`, without the tag in it)."""
 
     type: Literal["text", "image_url"]
     text: StrictStr | None = None

@@ -267,15 +267,15 @@ BAD = [
     ("the image token typed in the text too", chat(data_url(picture(1)), text="<|image|> twice?"), "messages",
      "messages: the prompt must hold the image token (id 49152) exactly once for its image; found it 2 times"),
     ("unknown part", {"model": "vis", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
-     "messages.0.content", "messages.0.content: Input should be a valid string / 0.type: Input should be 'text' or "
+     "messages[0].content", "messages[0].content: Input should be a valid string / [0].type: Input should be 'text' or "
      "'image_url'"),
     ("image_url not an object", {"model": "vis", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}]}]},
-     "messages.0.content", "messages.0.content: Input should be a valid string / 0.image_url: Input should be a "
+     "messages[0].content", "messages[0].content: Input should be a valid string / [0].image_url: Input should be a "
      "valid dictionary or instance of ImageURL"),
     ("image part without its url", {"model": "vis", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}]},
-     "messages.0.content", "messages.0.content: Input should be a valid string / 1: Value error, a part of type "
+     "messages[0].content", "messages[0].content: Input should be a valid string / [1]: Value error, a part of type "
      "'image_url' needs a 'image_url' field"),
 ]
 

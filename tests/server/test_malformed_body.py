@@ -57,7 +57,7 @@ CASES = [
     ("/v1/chat/completions", body(CHAT, messages={"role": "user"}), JSON, "messages",
      "messages: Input should be a valid list"),
     ("/v1/chat/completions", body(CHAT, messages=[{"role": "user", "content": {"text": "hi"}}]), JSON,
-     "messages.0.content", "messages.0.content: Input should be a valid string / Input should be a valid list"),
+     "messages[0].content", "messages[0].content: Input should be a valid string / Input should be a valid list"),
     # A seed torch's generators cannot take used to fail on the engine thread (HTTP 500).
     ("/v1/completions", body(seed=2**70), JSON, "seed",
      f"seed: must be an int in [-2**63, 2**64), got {2**70}"),
