@@ -64,7 +64,14 @@ def run(a: argparse.Namespace) -> None:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """`kvpool omni-serve`: the pipeline's flags, the server's, and the image limits of `kvpool serve`."""
     from kvpool.flags import add_flags
-    from kvpool.server.options import ImageServerConfig, ServerConfig, host_address, nonempty, port_number
+    from kvpool.server.options import (
+        ImageServerConfig,
+        ServerConfig,
+        add_allowed_origins,
+        host_address,
+        nonempty,
+        port_number,
+    )
 
     add_pipeline_arguments(p)
     p.add_argument("--no-vision", action="store_true",
@@ -76,6 +83,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", default=None, type=nonempty("a key; leave the flag out to require none"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", default="omni", help="the model id clients send (default: omni)")
+    add_allowed_origins(s)
     s.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
                    help="larger request bodies get HTTP 413")
     add_flags(p, ImageServerConfig, "images (chat content parts of type image_url, for the vision stage)")

@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.omni.pipeline import OmniOutput, Pipeline
 from kvpool.runner.multimodal import MMInput
 from kvpool.server.app import APIError, add_error_handlers, check_api_key, read_body, usage_json
+from kvpool.server.cors import add_cors
 from kvpool.server.errors import ClientDisconnected, until_disconnected
 from kvpool.server.media import MediaOptions, check_image_count, decode_images, image_parts
 from kvpool.server.protocol import ChatCompletionRequest
@@ -220,9 +222,11 @@ def prepare(pipeline: Pipeline, body: ChatCompletionRequest, media: MediaOptions
 
 
 def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | None = None,
-                    max_body_bytes: int = 4 << 20, media: MediaOptions | None = None) -> FastAPI:
+                    max_body_bytes: int = 4 << 20, media: MediaOptions | None = None,
+                    allowed_origins: Sequence[str] | None = None) -> FastAPI:
     app = FastAPI(title="kvpool omni", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    add_cors(app, allowed_origins)
     pipeline = worker.pipeline
     thinker = pipeline.stages[0].engine
     created = int(time.time())
@@ -338,7 +342,7 @@ def run(a: argparse.Namespace) -> None:
     pipeline = build_pipeline(a, vision=not a.no_vision)
     worker = PipelineWorker(pipeline)
     app = create_omni_app(worker, model_name=a.served_model_name, api_key=a.api_key,
-                          max_body_bytes=a.max_body_bytes, media=media)
+                          max_body_bytes=a.max_body_bytes, media=media, allowed_origins=a.allowed_origins)
     worker.start()
     log.info("serving the omni pipeline `%s` (%s) on http://%s:%d", a.served_model_name,
              " -> ".join(c.name for c in pipeline.configs), a.host, a.port)

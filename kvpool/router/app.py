@@ -33,7 +33,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -55,6 +55,7 @@ from kvpool.router.index import DEFAULT_MAX_STORE_BLOCKS, PrefixIndex, RoutedInd
 from kvpool.router.policy import ReplicaLoad, choose
 from kvpool.router.resume import Diverged, StreamText, resumable
 from kvpool.router.subscriber import EventSubscriber
+from kvpool.server.cors import add_cors
 from kvpool.server.errors import (
     APIError,
     add_error_handlers,
@@ -628,7 +629,8 @@ class _KeyRequired:
 
 
 def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: int = 3,
-               request_timeout_s: float | None = None, api_key: str | None = None) -> FastAPI:
+               request_timeout_s: float | None = None, api_key: str | None = None,
+               allowed_origins: Sequence[str] | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -638,6 +640,7 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
     add_error_handlers(app)  # unknown routes, wrong methods and anything unexpected: OpenAI error bodies
     if api_key is not None:
         app.add_middleware(_KeyRequired, api_key=api_key)
+    add_cors(app, allowed_origins)  # (after the key's middleware: outside it, so preflights pass)
     # No read timeout by default: a non-streaming answer arrives whole when it is done, which for a long
     # generation on a slow machine can take many minutes; timing it out would mark a healthy replica down
     # and run the request again elsewhere. A dead replica drops the connection (or fails its health
@@ -1103,8 +1106,8 @@ def run(args: argparse.Namespace) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not two lines per replica per health check
     log.info("routing to %d replicas on http://%s:%d", len(specs), args.host, args.port)
     try:
-        uvicorn.run(create_app(router, max_body_bytes=args.max_body_bytes, api_key=args.api_key), host=args.host,
-                    port=args.port,
-                    log_level="info", lifespan="on")
+        uvicorn.run(create_app(router, max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+                               allowed_origins=args.allowed_origins),
+                    host=args.host, port=args.port, log_level="info", lifespan="on")
     finally:
         router.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvpool.router.index import DEFAULT_MAX_STORE_BLOCKS
-from kvpool.server.options import host_address, nonempty, port_number
+from kvpool.server.options import add_allowed_origins, host_address, nonempty, port_number
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how many block hashes of the replicas' shared store (their STORAGE events) the router "
                         "remembers, least recently stored forgotten first: a store evicts without telling "
                         "(~600 bytes each)")
+    add_allowed_origins(p)
     p.add_argument("--api-key", default=None, type=nonempty("a key; leave the flag out to require none"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /router routes (checked here, then "
                         "forwarded to the replicas with the request)")

@@ -8,8 +8,30 @@ import ipaddress
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from kvpool.flags import add_flags, option
+
+ALLOWED_ORIGINS_HELP = ("answer cross-origin (CORS) requests from these origins, e.g. https://app.example.com, or * "
+                        "for any (default: none; browsers then refuse to let other sites' scripts read the answers)")
+
+
+def origin(text: str) -> str:
+    """An origin as browsers send it (scheme://host[:port], nothing after), or `*`; ValueError otherwise."""
+    if text == "*":
+        return text
+    u = urlsplit(text)
+    if u.scheme not in ("http", "https") or not u.netloc or u.path or u.query or u.fragment:
+        raise ValueError(f"{text!r} is not an origin (scheme://host[:port], or *)")
+    return text
+
+
+def _origin(text: str) -> str:
+    """An argparse type: a CORS origin (kvpool.server.cors)."""
+    try:
+        return origin(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def port_number(text: str) -> int:
@@ -77,6 +99,8 @@ class ServerConfig:
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 and admin routes",
                                  type=nonempty("a key; leave the flag out to require none"))
     served_model_name: str | None = option(None, "the model id clients send (default: folder name)")
+    allowed_origins: tuple[str, ...] | None = option(None, ALLOWED_ORIGINS_HELP, nargs="+", metavar="ORIGIN",
+                                                     type=_origin)
     max_pending: int = option(256, "requests in flight (running + waiting) before new ones get HTTP 503",
                               type=_positive)
     max_body_bytes: int = option(4 << 20, "larger request bodies get HTTP 413", type=_positive)
@@ -113,6 +137,12 @@ class LoRAServerConfig:
     lora_modules: tuple[str, ...] | None = option(
         None, "serve these PEFT adapters; a request's `model` names one (or the base model); also vLLM's JSON "
         "form '{\"name\": ..., \"path\": ...}'. Implies --enable-lora", nargs="+", metavar="NAME=PATH")
+
+
+def add_allowed_origins(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--allowed-origins`, as `kvpool serve` has it, for the other front doors (router, omni-serve)."""
+    p.add_argument("--allowed-origins", nargs="+", type=_origin, default=None, metavar="ORIGIN",
+                   help=ALLOWED_ORIGINS_HELP)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

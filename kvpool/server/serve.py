@@ -20,6 +20,7 @@ import uvicorn
 from kvpool.engine.async_engine import AsyncEngine
 from kvpool.engine.engine import LLMEngine
 from kvpool.server.app import create_app
+from kvpool.server.cors import add_cors, check_origins
 from kvpool.server.kv_events import KVEventPublisher
 from kvpool.server.media import MediaOptions
 from kvpool.server.metrics import ServerMetrics
@@ -62,7 +63,8 @@ def check_kv_events_options(endpoint: str | None, replay_endpoint: str | None, t
 def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
           max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None,
           kv_events_replay_endpoint: str | None = None, kv_events_topic: str | None = None,
-          media: MediaOptions | None = None, pin_prefixes: Sequence[StandingPrefix] = ()
+          media: MediaOptions | None = None, pin_prefixes: Sequence[StandingPrefix] = (),
+          allowed_origins: Sequence[str] | None = None
           ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
     """The app and what runs it, for `engine`; `pin_prefixes` are pinned now (computed) and kept for as
     long as the server runs (`--pin-prefix`)."""
@@ -71,6 +73,7 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
         raise ValueError(f"lora_modules: adapter name {name!r} is the served model's name; a request's `model` "
                          f"could not tell them apart")
     check_kv_events_options(kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic)
+    check_origins(allowed_origins)
     pin_standing(engine, pin_prefixes)  # (with no TTL: the engine keeps pins through resets and recoveries)
     async_engine = AsyncEngine(engine, max_pending=max_pending)
     metrics = ServerMetrics(name, host_tier=engine.has_host_tier)
@@ -89,6 +92,7 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
         async_engine.add_listener(publisher.observe)
     app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
                      media=media, kv_events_instance=None if publisher is None else publisher.instance)
+    add_cors(app, allowed_origins)
     return app, async_engine, metrics, publisher
 
 
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                                             kv_events_endpoint=args.kv_events_endpoint,
                                             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
                                             kv_events_topic=args.kv_events_topic, media=media,
-                                            pin_prefixes=standing)
+                                            pin_prefixes=standing, allowed_origins=args.allowed_origins)
     async_engine.start()
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host, args.port,
              engine.stats().num_blocks, engine.config.block_size)
