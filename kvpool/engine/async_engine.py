@@ -120,7 +120,8 @@ class AsyncEngine:
         self._idle_poll = idle_poll
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._last_token_time: dict[str, float] = {}  # engine thread only
+        # Engine thread only: per request, each choice's (tokens so far, when its last came): n > 1 has several.
+        self._last_token_time: dict[str, dict[int, tuple[int, float]]] = {}
         self._pending = 0  # requests submitted and not yet finished or aborted
         self._pending_lock = threading.Lock()
         # Held while an item goes into the inbox and while the stopping engine thread closes it: an item put
@@ -386,13 +387,15 @@ class AsyncEngine:
         report = self._report() if self._listeners else None
         for out in outputs:
             rid = out.request_id
-            prev = self._last_token_time.get(rid)
-            if report is not None:
-                if prev is None:  # the prefill just completed
-                    report.prompt_tokens += len(out.prompt_token_ids)
-                else:
-                    report.inter_token_latencies.append(now - prev)
-            self._last_token_time[rid] = now
+            seen = self._last_token_time.setdefault(rid, {})
+            if report is not None and not seen:  # the prefill just completed
+                report.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                count, at = seen.get(c.index, (0, 0.0))
+                if len(c.token_ids) > count:  # (a choice that got a token this step)
+                    if count and report is not None:
+                        report.inter_token_latencies.append(now - at)
+                    seen[c.index] = (len(c.token_ids), now)
             stream = self._streams.get(rid)
             if out.finished:
                 self._streams.pop(rid, None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -299,3 +300,18 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: open
     plain = list(client.completions.create(model="tiny", prompt="Count with me: one two", max_tokens=6, temperature=0,
                                            stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 6
+
+
+def test_each_choice_counts_its_own_inter_token_latencies(client: openai.OpenAI, server: ServerHandle) -> None:
+    """n > 1: each choice's gaps between its tokens (3 choices x 4 gaps), and the prompt once."""
+    def counts() -> tuple[float, float]:
+        return (metric(server.url, "kvpool:inter_token_latency_seconds_count"),
+                metric(server.url, "kvpool:prompt_tokens_total"))
+
+    itl, prompt = counts()
+    r = client.completions.create(model="tiny", prompt="One two three four", max_tokens=5, temperature=0, n=3,
+                                  extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while counts()[0] < itl + 12 and time.monotonic() < deadline:  # (the step's report follows its outputs)
+        time.sleep(0.02)
+    assert counts() == (itl + 12, prompt + r.usage.prompt_tokens)
