@@ -385,6 +385,9 @@ class Router:
             # A new stream id from a replica never seen down: it restarted between two checks, and its
             # new stream's first batches (which would have said so) may be lost.
             restarted = instance is not None and rep.instance is not None and instance != rep.instance
+            # The same stream id as before it went down: the same process (frozen, or failing requests for a
+            # while), its caches intact; its subscriber's gap repair brings the index up to date.
+            same_process = instance is not None and instance == rep.instance
             if instance is not None:
                 rep.instance = instance
             if restarted and not back:
@@ -400,10 +403,13 @@ class Router:
                 rep.load.waiting = int(vals.get("num_requests_waiting", 0))
                 rep.load.kv_usage = vals.get("kv_cache_usage_perc", 0.0)
                 rep.load.polled_at = polled_at
-        if back:
+        if back and not same_process:
             # It may have restarted, its caches empty (its new event stream would say so, but only with its
             # first event): what was routed there is forgotten (chats with pictures, and everything for a
-            # replica without events), and its index rebuilt from its replay.
+            # replica without events), and its index rebuilt from its replay. Rebuilding a live replica's
+            # index would forget what its replay buffer no longer reaches, still cached there. A new process
+            # may also hash blocks otherwise (another --hash-seed): its first block is checked again.
+            self._checked_hash.discard(rep.name)
             self.routed.clear(rep.name)
             if rep.subscriber is not None:
                 self.pending.clear(rep.name)
@@ -650,9 +656,13 @@ def create_app(router: Router, *, max_body_bytes: int = 4 << 20, max_attempts: i
     app.state.client = client
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' checks)
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         if not any(r.healthy for r in router.replicas.values()):
             return _error(503, "no replica is healthy")
+        try:  # (open to probes; the replicas' URLs and loads only with the key, as /router/state)
+            check_api_key(request, api_key)
+        except APIError:
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "replicas": router.snapshot()})
 
     @app.get("/metrics")

@@ -284,3 +284,41 @@ def test_non_finite_gauges_are_not_read() -> None:
     text = ("kvpool:num_requests_running NaN\nkvpool:num_requests_waiting +Inf\nvllm:kv_cache_usage_perc -Inf\n"
             "kvpool:num_requests_waiting 2\n")
     assert _read_metrics(text) == {"num_requests_waiting": 2.0}
+
+
+def test_a_replica_back_with_the_same_stream_keeps_its_index_and_a_new_one_is_checked_again() -> None:
+    """Marked down and back with the same `kvpool-instance`: the same process, caches intact, so its index
+    is not rebuilt (a replay buffer that no longer reaches its early batches would forget blocks it still
+    holds). Back with another: a new process, maybe hashing otherwise, so everything is rebuilt and its
+    first block's hash is checked again."""
+    r = Router([ReplicaSpec("http://a:1")], block_size=4)
+    name = "http://a:1"
+    rep = r.replicas[name]
+    resyncs: list[int] = []
+    rep.subscriber = SimpleNamespace(resync=lambda: resyncs.append(1), alive=True)  # type: ignore[assignment]
+
+    def health(instance: str) -> SimpleNamespace:
+        return SimpleNamespace(get=lambda url: SimpleNamespace(status_code=200, text="",
+                                                               headers={"kvpool-instance": instance}))
+
+    r._check(health("A"), rep)  # type: ignore[arg-type]
+    hashes = r.block_hashes(list(range(12)), None)
+    r.routed.record(name, hashes)
+    r._checked_hash.add(name)
+    r.mark_down(name)
+    r._check(health("A"), rep)  # type: ignore[arg-type]
+    assert rep.healthy and resyncs == [] and r.routed.match(hashes, name) == 3 and name in r._checked_hash
+    r.mark_down(name)
+    r._check(health("B"), rep)  # type: ignore[arg-type]
+    assert rep.healthy and resyncs == [1] and r.routed.match(hashes, name) == 0 and name not in r._checked_hash
+
+
+def test_health_tells_the_replicas_only_with_the_key() -> None:
+    from fastapi.testclient import TestClient
+
+    from kvpool.router.app import create_app
+
+    client = TestClient(create_app(Router([ReplicaSpec("http://127.0.0.1:9")], block_size=16), api_key="k"))
+    assert client.get("/health").json() == {"status": "ok"}
+    full = client.get("/health", headers={"Authorization": "Bearer k"}).json()
+    assert list(full["replicas"]) == ["http://127.0.0.1:9"]
