@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="round-robin,router,ceiling")
     p.add_argument("--kv-store", default=None,
-                   help="store of the +store systems (default: a private redis-server on loopback)")
+                   help="store of the +store systems (default: a private redis-server on loopback); the values "
+                        "kvpool stored there are deleted before each system (nothing else in it)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT per turn, one line per system")
 
@@ -299,21 +300,15 @@ def _store_server(a: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _flush_store(url: str) -> None:
-    """Empty the store between systems, so each starts cold."""
-    if url.startswith(("redis://", "valkey://")):
-        from kvpool.store.redis_store import RedisStore
+    """Empty the store between systems, so each starts cold: kvpool's values only (a folder or database
+    given with --kv-store may hold other things)."""
+    from kvpool.store import open_store
 
-        RedisStore(url).client.flushdb()
-    elif url.startswith("file://"):
-        import shutil
-
-        root = Path(url[len("file://"):])
-        if root.is_dir():
-            for p in root.iterdir():
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink()
+    store = open_store(url)
+    try:
+        store.clear()
+    finally:
+        store.close()
 
 
 def _tier_tokens(replicas: list[Replica], before: list[dict[str, float]]) -> tuple[float, float]:

@@ -217,6 +217,11 @@ class KVStore(ABC):
     def close(self) -> None:  # noqa: B027 (optional)
         pass
 
+    @abstractmethod
+    def clear(self) -> int:
+        """Delete every value kvpool stored here, of every fingerprint, and nothing else (the folder or
+        database may hold other things); how many were deleted."""
+
 
 class BlockStore:
     """Blocks of one fingerprint in a `KVStore`: framing, verification, stats, and fault isolation.

@@ -155,6 +155,16 @@ class FileStore(KVStore):
         if not os.access(self.root, os.X_OK) or not self.root.is_dir():
             raise StoreError(f"the store directory {self.root} is gone or not searchable")
 
+    def clear(self) -> int:
+        try:
+            n = _clear(self.root)
+        except OSError as e:
+            raise StoreError(f"I/O error: {e}") from e
+        with self._lock:
+            self._lru.clear()
+            self._bytes = 0
+        return n
+
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []
         for key in keys:
@@ -164,6 +174,32 @@ class FileStore(KVStore):
                 self._check_root(e)
                 out.append(False)  # a miss for that key only, as in get_many
         return out
+
+
+def _is_fanout(name: str) -> bool:
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
+def _clear(root: Path) -> int:
+    """Delete the store's value files (and half-written ones) under `root`'s two levels of fan-out folders,
+    then those folders once empty; anything else in `root` stays."""
+    n = 0
+    for top in os.scandir(root):
+        if not (_is_fanout(top.name) and top.is_dir(follow_symlinks=False)):
+            continue
+        for sub in os.scandir(top.path):
+            if not (_is_fanout(sub.name) and sub.is_dir(follow_symlinks=False)):
+                continue
+            for f in os.scandir(sub.path):
+                if f.name.startswith(("kvpool_", ".tmp-")) and f.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):  # (another replica's eviction)
+                        os.unlink(f.path)
+                        n += 1
+            with contextlib.suppress(OSError):  # (not empty: something else is in it)
+                os.rmdir(sub.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(top.path)
+    return n
 
 
 def _read_regular(path: Path) -> bytes | None:

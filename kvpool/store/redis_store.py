@@ -93,5 +93,22 @@ class RedisStore(KVStore):
         except self._errors as e:
             raise StoreError(str(e)) from e
 
+    def clear(self) -> int:
+        """kvpool's keys only (SCAN by their prefix, UNLINK in batches): never FLUSHDB on a database that
+        may hold other data."""
+        n = 0
+        try:
+            batch: list[bytes] = []
+            for key in self.client.scan_iter(match=b"kvpool:*", count=1000):
+                batch.append(key)
+                if len(batch) == 1000:
+                    n += self.client.unlink(*batch)
+                    batch = []
+            if batch:
+                n += self.client.unlink(*batch)
+        except self._errors as e:
+            raise StoreError(str(e)) from e
+        return n
+
     def close(self) -> None:
         self.client.close()

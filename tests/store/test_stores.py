@@ -400,3 +400,28 @@ def test_a_bounded_file_store_evicts_the_least_recently_used_values(tmp_path: Pa
         open_store(f"file://{tmp_path}?size=1GiB")
     with pytest.raises(ValueError, match=r"kv_store: max_size: cannot read 'lots' as a size"):
         open_store(f"file://{tmp_path}?max_size=lots")
+
+
+def test_clear_deletes_kvpool_values_only(backend: KVStore, tmp_path: Path) -> None:
+    """What `bench cluster` runs between systems on a user's --kv-store: every fingerprint's values go, and
+    whatever else the folder or database holds stays."""
+    other = Fingerprint(model="other", dtype="bfloat16", block_size=16, group=1, layout="x")
+    for fp, n in ((FP, 5), (other, 3)):
+        assert BlockStore(backend, fp).put(blocks(n))
+    if isinstance(backend, FileStore):
+        (backend.root / "thesis.tex").write_text("mine")
+        (backend.root / "ab").mkdir(exist_ok=True)
+        (backend.root / "ab" / "notes.txt").write_text("mine too")
+        (backend.root / "photos").mkdir()
+        keep = {"thesis.tex", "ab", "ab/notes.txt", "photos"}
+    else:
+        client = redis_py.Redis.from_url(backend.url)
+        client.set(b"user:session", b"mine")
+        keep = set()
+    assert backend.clear() == 8
+    assert BlockStore(backend, FP).get([h for h, _ in blocks(5)]) == [None] * 5
+    if isinstance(backend, FileStore):
+        assert {str(p.relative_to(backend.root)) for p in backend.root.rglob("*")} == keep
+    else:
+        assert client.get(b"user:session") == b"mine" and client.dbsize() == 1
+    assert backend.clear() == 0
