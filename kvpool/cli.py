@@ -95,9 +95,11 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt", nargs="+", help="the prompt (several: one completion each)")
     gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    # Left out: the model's value (its generation_config.json, unless --generation-config vllm), else greedy.
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="default: the model's (generation_config.json), else 0: greedy")
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else 0: off")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
@@ -112,9 +114,12 @@ def cmd_generate(a: argparse.Namespace, engine_kw: dict[str, Any]) -> None:
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                            seed=a.seed, stop=a.stop)
+    given = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k))
+             if v is not None}
+    SamplingParams(**given, max_tokens=a.max_tokens, seed=a.seed, stop=a.stop)  # (bad values: before the load)
     llm = LLM(**engine_kw)
+    sampling = {"temperature": 0.0, **llm.engine.sampling_defaults, **given}
+    params = SamplingParams(**sampling, max_tokens=a.max_tokens, seed=a.seed, stop=a.stop)
     chat = not a.raw and getattr(llm.tokenizer, "chat_template", None)
     if chat:
         outs = llm.chat([[{"role": "user", "content": q}] for q in a.prompt], params, use_tqdm=False)

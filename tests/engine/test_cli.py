@@ -41,3 +41,27 @@ def test_cli_runs_on_tcmalloc_unless_told_not_to() -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "KVPOOL_MALLOC": "system"})
     assert out.returncode == 0, out.stderr
     assert "allocator: the system's malloc" in out.stderr
+
+
+def test_generate_takes_the_models_sampling_defaults_unless_told_otherwise(chat_llama_dir: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A model whose generation_config.json samples (temperature 1.5, top_k 50): `kvpool generate` samples as
+    it says (two seeds, two answers); with --generation-config vllm, or a --temperature 0, it is greedy."""
+    import argparse
+    import json
+    import shutil
+
+    from kvpool.cli import cmd_generate
+
+    d = tmp_path / "sampling-model"
+    shutil.copytree(chat_llama_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 1.5, "top_k": 50}))
+
+    def run(seed: int, temperature: float | None = None, mode: str = "auto") -> str:
+        a = argparse.Namespace(prompt=["hello there"], raw=True, max_tokens=8, temperature=temperature, top_p=None,
+                               top_k=None, seed=seed, stop=None)
+        cmd_generate(a, dict(model=str(d), dtype="float32", num_blocks=64, generation_config=mode))
+        return capsys.readouterr().out
+
+    assert run(1) != run(2)
+    assert run(1, mode="vllm") == run(2, mode="vllm") == run(3, temperature=0.0)
