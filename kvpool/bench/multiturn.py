@@ -99,6 +99,7 @@ def take_idle(order: list[int], busy: set[int], limit: int) -> list[int]:
 
 
 def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> tuple[dict, list[list[int]]]:
+    from kvpool.engine.config import CACHING_OPTIONS, HOST_TIER_OPTIONS, without
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling_params import SamplingParams
 
@@ -111,6 +112,10 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
     if policy:
         kw["eviction_policy"] = policy
     kw["enable_prefix_caching"] = name != "no-cache"
+    # No-cache keeps nothing; the systems without a host tier get none of its options (--kv-store,
+    # --host-eviction: the device+host systems').
+    kw = without(kw, CACHING_OPTIONS if name == "no-cache" else () if name.startswith("device+host")
+                 else HOST_TIER_OPTIONS)
     working_set = sum(-(-(a.system_len + sum(len(u) + len(ans) for u, ans in c)) // kw.get("block_size", 16))
                       for c in convs)
     # The ceiling (and no-cache, which needs no room to keep anything) get room for the whole working set.
@@ -119,8 +124,6 @@ def run_system(name: str, a: argparse.Namespace, engine_kw: dict[str, Any]) -> t
     if name.startswith("device+host"):
         kw["num_host_blocks"] = a.host_blocks
         kw["write_through"] = name.endswith("write-through")
-    else:  # (a system without a host tier: --host-eviction is the device+host systems')
-        kw["host_eviction"] = "lru"
     llm = LLM(**kw)
     eng = llm.engine
     # The working set counts one block per 16 tokens, but on the hybrid allocator every group takes its own
@@ -199,7 +202,7 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     # The systems set caching and the host tier themselves: these flags would be overridden, or would give the
     # device-only systems (the baselines) a host tier.
     from kvpool.core.eviction import policy_names
-    from kvpool.engine.config import CacheConfig, parse_size
+    from kvpool.engine.config import KV_CACHE_DTYPES, CacheConfig, parse_size
 
     if engine_kw.get("enable_prefix_caching") is False:
         raise ValueError("--no-prefix-caching: not a bench multiturn flag; run --systems no-cache")
@@ -214,9 +217,15 @@ def run(a: argparse.Namespace, engine_kw: dict[str, Any]) -> dict:
     # Every name (and policy) is checked before the first system runs (each takes minutes).
     names = name_list("systems", a.systems, SYSTEMS, key=lambda n: n.partition(":")[0].partition("@")[0])
     for n in names:
-        policy = n.partition(":")[0].partition("@")[2]
-        if "@" in n.partition(":")[0] and policy not in policy_names():
+        base, _, kv_dtype = n.partition(":")
+        policy = base.partition("@")[2]
+        if "@" in base and policy not in policy_names():
             raise ValueError(f"systems: {n!r}: unknown eviction policy {policy!r} (one of {', '.join(policy_names())})")
+        if "@" in base and base.startswith("no-cache"):
+            raise ValueError(f"systems: {n!r}: no-cache keeps no blocks to evict; no policy applies")
+        if ":" in n and kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"systems: {n!r}: unknown KV cache dtype {kv_dtype!r} (one of "
+                             f"{', '.join(KV_CACHE_DTYPES)})")
     systems: dict[str, dict] = {}
     outs: dict[str, list[list[int]]] = {}
     for n in names:

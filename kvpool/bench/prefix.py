@@ -65,14 +65,14 @@ class KVPoolSession:
                  loras: list[Any] | None = None, warmup: bool = True) -> None:
         """`loras`: each prompt's LoRARequest (None: the base model); `warmup`: a few short requests first, so
         the timed runs leave out the engine's first-call costs."""
+        from kvpool.engine.config import CACHING_OPTIONS, without
         from kvpool.engine.llm import LLM
         from kvpool.engine.sampling_params import SamplingParams
 
         self.prompts, self.loras = prompts, loras
         kw = {**engine_kw, "enable_prefix_caching": caching}
         if not caching:  # (the tiers below the device keep cached blocks: none without caching)
-            kw = {k: v for k, v in kw.items()
-                  if k not in ("swap_space", "num_host_blocks", "kv_store", "write_through", "host_eviction")}
+            kw = without(kw, CACHING_OPTIONS)
         self.llm = llm = LLM(**kw)
         for lora in {x.lora_name: x for x in loras or () if x is not None}.values():
             llm.engine.add_lora(lora)

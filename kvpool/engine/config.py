@@ -42,6 +42,18 @@ def parse_size(value: str | int | float, field: str = "kv_cache_memory", zero_ok
     return int(num * _UNITS[unit])
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The tiers below the device pool, and what acts on cached blocks: an engine built without the one (a bench's
+# baseline system, with no host tier or no caching) is built without these options, which it would refuse.
+HOST_TIER_OPTIONS = ("swap_space", "num_host_blocks", "kv_store", "write_through", "host_eviction")
+CACHING_OPTIONS = (*HOST_TIER_OPTIONS, "eviction_policy", "hash_seed", "pin_budget")
+
+
+def without(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """Engine keywords less `names`."""
+    return {k: v for k, v in kw.items() if k not in names}
+
+
 def _eviction_policies() -> list[str]:
     from kvpool.core.eviction import policy_names
 
@@ -59,12 +71,13 @@ class CacheConfig:
     """The KV cache: its blocks, prefix caching, the host and store tiers, eviction, pins."""
 
     block_size: int = option(16, "tokens per KV cache block")
-    kv_cache_memory: int | str = option("1GiB", "KV cache size: bytes, or e.g. 2GiB, 512MiB")
+    kv_cache_memory: int | str = option("1GiB", "KV cache size: e.g. 2GiB, 512MiB; a bare number is bytes from "
+                                        "1024 up, GiB below it (as vLLM's --swap-space)")
     # The dtype the KV cache (device, host and store tiers) holds keys and values in; auto: the model's.
     kv_cache_dtype: str = option("auto", "KV cache dtype; auto: the model's (--dtype). bfloat16 or float16 "
                                  "under a float32 model hold twice the blocks in the same memory, fp8 (e4m3) and "
                                  "fp8_e5m2 four times, and outputs then follow the rounded keys and values",
-                                 choices=("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"))
+                                 choices=KV_CACHE_DTYPES)
     num_blocks: int | None = None  # overrides kv_cache_memory (tests)
     enable_prefix_caching: bool = option(True, "disable automatic prefix caching", flag="--no-prefix-caching")
     hash_algo: str = option("sha256", "block hash function", choices=("sha256", "xxh3_128"))
@@ -72,7 +85,8 @@ class CacheConfig:
                                    "be guessed from prompts; replicas behind one router and a shared store all "
                                    "need the same one (kvpool router --hash-seed)")
     enable_kv_events: bool = False
-    swap_space: int | str | float = option(0, "host KV tier size (bytes, or e.g. 4GiB); 0 disables it", type=str)
+    swap_space: int | str | float = option(0, "host KV tier size: e.g. 4GiB; a bare number is bytes from 1024 up, "
+                                           "GiB below it (as vLLM's); 0 disables it", type=str)
     num_host_blocks: int | None = None  # overrides swap_space (tests)
     host_eviction: str = option("lru", "host tier eviction policy", choices=_host_policies)
     eviction_policy: str = option("lru", "device tier eviction policy (see kvpool bench policy)",
@@ -274,6 +288,26 @@ class EngineConfig:
 
         resolve_hash_algo(self.hash_algo)  # (checked with caching off too: the flag was given for a reason)
         check_hash_seed(self.hash_seed)
+        if self.kv_store is not None:
+            if not isinstance(self.kv_store, str) or not self.kv_store.strip():
+                # (an empty value, as an unset shell variable gives, silently meant no store)
+                raise ValueError(f"kv_store: a store URL (file:///dir or redis://host:port), got {self.kv_store!r}")
+            from kvpool.store import check_store_url
+
+            check_store_url(self.kv_store)
+            if not host:
+                raise ValueError("kv_store: the store tier lies below the host tier, and there is none (set "
+                                 "swap_space)")
+        # Options of prefix caching with it off would be ignored, silently: the user meant to have it.
+        if not self.enable_prefix_caching:
+            for name, off in (("eviction_policy", "lru"), ("hash_seed", None), ("pin_budget", 0.2)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"{name}: applies to cached blocks, and prefix caching is off "
+                                     f"(enable_prefix_caching=False, --no-prefix-caching)")
+        if not self.enable_lora:
+            for name, default in (("max_loras", 1), ("max_lora_rank", 16)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}: bounds LoRA adapters, and LoRA is off (set enable_lora)")
         if self.kv_store and self.stage_outputs:
             # A block read from the store brings its K/V, not the stage outputs of its tokens: the prefix's
             # hidden states would come back empty.

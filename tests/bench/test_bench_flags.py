@@ -71,6 +71,35 @@ def test_multiturn_checks_every_system_before_running_one(monkeypatch: pytest.Mo
     assert main(["bench", "multiturn", "--systems", "device,bogus:bfloat16"]) == 2
     assert "kvpool: error: systems: unknown 'bogus:bfloat16'" in capsys.readouterr().err
     assert ran == []  # the `device` system did not run first
+    assert main(["bench", "multiturn", "--systems", "no-cache,device:int8"]) == 2
+    assert "kvpool: error: systems: 'device:int8': unknown KV cache dtype 'int8'" in capsys.readouterr().err
+    assert main(["bench", "multiturn", "--systems", "device,no-cache@lhd"]) == 2
+    assert "kvpool: error: systems: 'no-cache@lhd': no-cache keeps no blocks to evict" in capsys.readouterr().err
+    assert ran == []
+
+
+def test_multiturn_gives_the_store_to_the_host_tier_systems_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-store goes to the device+host systems; the others get no tier options (they would refuse them),
+    and no-cache none of the cached blocks' either."""
+    import kvpool.engine.llm
+
+    built: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kw: object) -> None:
+        built.append(kw)
+        raise Stop
+
+    monkeypatch.setattr(kvpool.engine.llm, "LLM", fake_llm)
+    a = build_parser().parse_args(["bench", "multiturn", "--host-blocks", "32"])
+    for name in ("no-cache", "device", "device+host"):
+        with pytest.raises(Stop):
+            multiturn.run_system(name, a, {"kv_store": "file:///tmp/s", "hash_seed": "s", "host_eviction": "arc"})
+    given = [sorted(k for k in kw if k in ("kv_store", "hash_seed", "host_eviction")) for kw in built]
+    assert given == [[], ["hash_seed"], ["hash_seed", "host_eviction", "kv_store"]]
+
 
 
 @pytest.mark.parametrize("flag", ["--requests", "--workload"])

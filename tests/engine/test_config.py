@@ -141,7 +141,20 @@ def test_the_pin_budget_is_a_flag_and_a_fraction() -> None:
     (dict(hash_seed=""), r"^hash_seed: empty \(it would hash as no seed\)"),
     (dict(hash_seed=b""), r"^hash_seed: empty"),
     # A prefix read from the store has no stage outputs: the two together gave zeros for its hidden states.
-    (dict(kv_store="file:///tmp/x", stage_outputs=True), r"^kv_store: the store tier does not keep stage outputs"),
+    (dict(kv_store="file:///tmp/x", stage_outputs=True, swap_space="64MiB"),
+     r"^kv_store: the store tier does not keep stage outputs"),
+    # Checked before a model loads, not when the store opens (an empty value silently meant no store).
+    (dict(kv_store="", swap_space="64MiB"), r"^kv_store: a store URL \(file:///dir or redis://host:port\), got ''"),
+    (dict(kv_store="bogus://x", swap_space="64MiB"), r"^kv_store: unknown scheme 'bogus'"),
+    (dict(kv_store="redis://h:notaport", swap_space="64MiB"), r"^kv_store: 'redis://h:notaport': Port could not"),
+    (dict(kv_store="file:///tmp/x?max_size=big", swap_space="64MiB"), r"^kv_store: max_size"),
+    (dict(kv_store="file:///tmp/x"), r"^kv_store: the store tier lies below the host tier, and there is none"),
+    # Options that would be ignored, silently, with what they act on off.
+    (dict(enable_prefix_caching=False, eviction_policy="lhd"), r"^eviction_policy: applies to cached blocks"),
+    (dict(enable_prefix_caching=False, hash_seed="s"), r"^hash_seed: applies to cached blocks"),
+    (dict(enable_prefix_caching=False, pin_budget=0.5), r"^pin_budget: applies to cached blocks"),
+    (dict(max_loras=2), r"^max_loras: bounds LoRA adapters, and LoRA is off"),
+    (dict(max_lora_rank=8), r"^max_lora_rank: bounds LoRA adapters, and LoRA is off"),
 ])
 def test_every_switch_and_the_hash_seed_are_checked(kw: dict, message: str) -> None:
     """Every bool option of every section is checked: "no" must not leave a switch on."""
@@ -192,7 +205,8 @@ def test_any_zero_swap_space_turns_the_host_tier_off() -> None:
 
 
 def test_good_lora_counts_model_deadline_and_device_pass(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    EngineConfig(max_loras=2, max_lora_rank=8, model=tmp_path, kv_store_deadline_s=0.5, device="cpu").validate()
+    EngineConfig(enable_lora=True, max_loras=2, max_lora_rank=8, model=tmp_path, kv_store_deadline_s=0.5,
+                 device="cpu").validate()
     EngineConfig(model="some/folder", kv_store_deadline_s=3).validate()
 
 
