@@ -252,12 +252,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     def sse(streams: Sequence[RequestStream],
             chunk: Callable[[str, CompletionOutput, bool, dict[str, Any] | None], dict[str, Any]],
             params: SamplingParams, options: StreamOptions | None, rid: str, obj: str, stamp: int,
-            first: Sequence[dict[str, Any]] = (), model: str = model_name) -> StreamingResponse:
+            first: Sequence[dict[str, Any]] = (), first_prompt_tokens: int = 0,
+            model: str = model_name) -> StreamingResponse:
         """The streams' chunks: one choice each (n > 1 or a batch of prompts: the choices interleave, each
         by its index, as OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its
         finish_reason on its last chunk. `options.include_usage`: a last chunk with the usage (null in the
-        others, as OpenAI's); with `continuous_usage_stats` too, each chunk of a choice carries the usage so
-        far (vLLM's)."""
+        others, as OpenAI's); with `continuous_usage_stats` too, each chunk carries its own choice's usage so
+        far, its prompt's tokens and the choice's (vLLM's; `first` chunks: `first_prompt_tokens` and none)."""
         deltas = [_TextDeltas(params) for _ in range(len(streams) * params.n)]
         ended = [False] * len(deltas)
         logprobs = [logprobs_writer(params, obj.startswith("chat")) for _ in deltas]
@@ -265,15 +266,16 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         continuous = include_usage and options is not None and options.continuous_usage_stats
         last: dict[int, RequestOutput] = {}
 
-        def data(body: dict[str, Any], running: bool = False) -> str:
+        def data(body: dict[str, Any], prompt_tokens: int = 0, completion_tokens: int = 0) -> str:
             if include_usage:
-                body["usage"] = usage_json(list(last.values())) if continuous and running else None
+                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens} if continuous else None
             return f"data: {json.dumps(body)}\n\n"
 
         async def events() -> AsyncIterator[str]:
             try:
                 for body in first:
-                    yield data(body)
+                    yield data(body, first_prompt_tokens)
                 async for i, out in merged(streams, params.n):
                     last[i] = out
                     for o in out.outputs:
@@ -284,7 +286,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                         if text or final:  # (with the logprobs of every token since the choice's last chunk)
                             ended[o.index] = final
                             w = logprobs[o.index]
-                            yield data(chunk(text, o, final, w.next(o.logprobs) if w else None), running=True)
+                            yield data(chunk(text, o, final, w.next(o.logprobs) if w else None),
+                                       len(out.prompt_token_ids), len(o.token_ids))
                 if include_usage and last:
                     body = {"id": rid, "object": obj, "created": stamp, "model": model,
                             "choices": [], "usage": usage_json(list(last.values()))}
@@ -453,6 +456,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             prompts, params = body.prompts(), body.to_sampling_params(engine.engine.sampling_defaults)
         except ValueError as e:
             raise APIError.from_value_error(e, {"prompt_token_ids": "prompt"}) from None
+        if len(prompts) > engine.max_pending:  # (a 503 "retry later" would never pass)
+            raise APIError(400, f"prompt: a batch of {len(prompts)} prompts is more than this server holds in "
+                                f"flight (--max-pending {engine.max_pending}); send at most that many at once",
+                           "prompt")
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):  # (a batch: each prompt a request; all or none)
@@ -516,7 +523,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             # Each choice opens with the assistant's role, as vLLM's do.
             opening = [chunk("", None, False, None, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
             return sse([stream], chunk, params, body.stream_options, rid, "chat.completion.chunk", stamp,
-                       first=opening, model=served)
+                       first=opening, first_prompt_tokens=len(ids), model=served)
         [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},

@@ -16,7 +16,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from kvpool.server.options import origin
 
 ALLOWED_METHODS = ["GET", "POST", "DELETE", "OPTIONS"]
-ALLOWED_HEADERS = ["Authorization", "Content-Type", "OpenAI-Organization", "OpenAI-Project"]
+# Any request header (OpenAI's SDKs send their own x-stainless-* ones from browsers too): with no credentials
+# allowed, a header can carry nothing the browser adds on its own.
+ALLOWED_HEADERS = ["*"]
 
 
 def check_origins(origins: Sequence[str] | None) -> None:

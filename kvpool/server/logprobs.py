@@ -51,6 +51,10 @@ class LogprobsWriter:
             offsets.append(self._offset)
             self._offset += len(s)
         return {"tokens": token_texts, "token_logprobs": [_finite(t.logprob) for t in new],
-                "top_logprobs": [{ts: _finite(v) for ts, (_, v) in zip(tt, t.top, strict=True)} if t.top else None
-                                 for t, tt in zip(new, top_texts, strict=True)],
+                # The sampled token, then the k most likely (OpenAI: up to logprobs + 1 entries; vLLM's too).
+                "top_logprobs": [_top(s, t, tt) for s, t, tt in zip(token_texts, new, top_texts, strict=True)],
                 "text_offset": offsets}
+
+
+def _top(text: str, t: TokenLogprobs, top_texts: list[str]) -> dict[str, float]:
+    return {text: _finite(t.logprob), **{s: _finite(v) for s, (_, v) in zip(top_texts, t.top, strict=True)}}

@@ -406,3 +406,15 @@ def test_a_wrong_method_names_the_allowed_ones_and_health_takes_head(server: Ser
     r = httpx.get(f"{server.url}/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
     assert httpx.head(f"{server.url}/health").status_code == 200
+
+
+def test_a_batch_larger_than_the_server_holds_is_a_400_not_a_503(chat_llama_dir: Path) -> None:
+    """A 503 says "retry later", which a batch over --max-pending would do forever."""
+    h = start_server(make_engine(chat_llama_dir), served_model_name="tiny", max_pending=2)
+    try:
+        r = httpx.post(f"{h.url}/v1/completions", json={**OK, "prompt": ["a", "b", "c"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "a batch of 3 prompts is more than this server holds in flight (--max-pending 2)" in r.text
+        assert httpx.post(f"{h.url}/v1/completions", json={**OK, "prompt": ["a", "b"]}).status_code == 200
+    finally:
+        h.stop()

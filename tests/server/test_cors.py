@@ -14,8 +14,9 @@ from kvpool.router.app import ReplicaSpec, Router, create_app
 from kvpool.server.serve import start_server
 
 APP = "https://app.example.com"
+# (as the OpenAI JS SDK sends it from a browser: its own x-stainless-* headers too)
 PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization,content-type"}
+             "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os,x-stainless-retry-count"}
 
 
 def test_a_server_answers_the_origins_it_names_and_no_others(chat_llama_dir: Path) -> None:

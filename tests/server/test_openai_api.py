@@ -247,7 +247,12 @@ def test_logprobs_in_both_shapes_streaming_or_not(client: openai.OpenAI, offline
     lp = r.choices[0].logprobs
     assert lp.tokens == texts and lp.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
     assert lp.text_offset == [sum(len(t) for t in texts[:i]) for i in range(6)]
+    # (the sampled token first, then the top 3: greedy, the sampled one is the first of them)
     assert [list(d) for d in lp.top_logprobs] == [offline.token_texts([i for i, _ in t.top]) for t in want.logprobs]
+    sampled = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=1, logprobs=0)
+    slp = sampled.choices[0].logprobs
+    assert [list(d.items()) for d in slp.top_logprobs] == [[(t, v)] for t, v in zip(slp.tokens, slp.token_logprobs,
+                                                                                        strict=True)]
     streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
                                               stream=True))
     parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs is not None]
@@ -289,7 +294,7 @@ def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: S
     assert one.choices[0].message.content == joined.choices[0].message.content
 
 
-def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI, offline) -> None:
     chunks = list(client.completions.create(model="tiny", prompt="Count with me: one two", max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True,
                                                                          "continuous_usage_stats": True}))
@@ -300,6 +305,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: open
     plain = list(client.completions.create(model="tiny", prompt="Count with me: one two", max_tokens=6, temperature=0,
                                            stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 6
+    # A batch with n = 2: each chunk its own prompt's tokens and its own choice's so far (vLLM's).
+    prompts = ["Count with me: one two", "Hi"]
+    lengths = [len(offline.encode(p)) for p in prompts]
+    batch = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0, n=2,
+                                           stream=True, stream_options={"include_usage": True,
+                                                                        "continuous_usage_stats": True},
+                                           extra_body={"ignore_eos": True}))
+    for i in range(4):
+        mine = [c for c in batch if c.choices and c.choices[0].index == i]
+        assert all(c.usage.prompt_tokens == lengths[i // 2] for c in mine)
+        assert [c.usage.completion_tokens for c in mine] == sorted(c.usage.completion_tokens for c in mine)
+        assert mine[-1].usage.completion_tokens == 4
+    assert batch[-1].usage.prompt_tokens == sum(lengths) and batch[-1].usage.completion_tokens == 16
 
 
 def test_each_choice_counts_its_own_inter_token_latencies(client: openai.OpenAI, server: ServerHandle) -> None:
