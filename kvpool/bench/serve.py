@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvpool.bench.report import emit, format_table
+from kvpool.bench.report import BenchFailed, emit, format_table
 from kvpool.bench.workloads import generated_shared_prefix, load_trace
 from kvpool.server.options import port_number
 
@@ -488,6 +488,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.save_result:  # checked now: found after the load test, the result would be lost with the error
         _need(result_dir.is_dir(), "result_dir", f"{shown!r} is not a directory")
         _need(os.access(result_dir, os.W_OK | os.X_OK), "result_dir", f"{shown!r} is not writable")
+        if a.result_filename is not None:
+            _need(a.result_filename.strip() != "", "result_filename", "must not be empty")
+            folder = (result_dir / a.result_filename).parent
+            _need(folder.is_dir() and os.access(folder, os.W_OK | os.X_OK), "result_filename",
+                  f"its folder {str(folder)!r} is not a writable directory")
     reqs = build_requests(a)
     endpoint = a.endpoint
     if a.dataset_name == "images" and endpoint == "/v1/completions":
@@ -505,10 +510,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     res = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in res.items()}
     for e in res["errors"]:
         print(f"kvpool bench serve: {e['count']} failed: {e['message']}", file=sys.stderr)
+    emit(render(res), res, a.json)
     if a.save_result:
         name = a.result_filename or f"kvpool-bench-serve-{a.dataset_name}-{a.request_rate}qps-{res['date']}.json"
         path = result_dir / name
         path.write_text(json.dumps(res, indent=2) + "\n")
         print(f"kvpool bench serve: result written to {path}", file=sys.stderr)
-    emit(render(res), res, a.json)
+    if reqs and not res["completed"] and not res["timed_out"]:  # (a wrong --model or --endpoint: all refused)
+        raise BenchFailed(f"all {len(reqs)} requests failed (first error: {res['errors'][0]['message']})"
+                          if res["errors"] else f"all {len(reqs)} requests failed")
     return res

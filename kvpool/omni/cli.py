@@ -67,6 +67,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from kvpool.server.options import (
         ImageServerConfig,
         ServerConfig,
+        _positive,
         add_allowed_origins,
         host_address,
         nonempty,
@@ -84,6 +85,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", default="omni", help="the model id clients send (default: omni)")
     add_allowed_origins(s)
-    s.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+    s.add_argument("--max-body-bytes", type=_positive, default=defaults.max_body_bytes,
                    help="larger request bodies get HTTP 413")
     add_flags(p, ImageServerConfig, "images (chat content parts of type image_url, for the vision stage)")

@@ -98,7 +98,8 @@ class ServerConfig:
     port: int = option(8000, "port to listen on", type=port_number)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 and admin routes",
                                  type=nonempty("a key; leave the flag out to require none"))
-    served_model_name: str | None = option(None, "the model id clients send (default: folder name)")
+    served_model_name: str | None = option(None, "the model id clients send (default: folder name)",
+                                           type=nonempty("a model id; leave the flag out for the folder's name"))
     allowed_origins: tuple[str, ...] | None = option(None, ALLOWED_ORIGINS_HELP, nargs="+", metavar="ORIGIN",
                                                      type=_origin)
     max_pending: int = option(256, "requests in flight (running + waiting) before new ones get HTTP 503",

@@ -353,3 +353,18 @@ def test_prefix_counters_from_either_prefix_summed_over_labels() -> None:
     only_queries = "# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total 5\n"
     assert prefix_cache_counters(only_queries) is None
     assert prefix_cache_counters("") is None
+
+
+def test_a_run_where_every_request_failed_exits_1_after_its_report(stub: Stub, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A wrong --model or --endpoint: the table and JSON still come (they say why), then exit 1, not 0."""
+    stub.state.max_prompt_len = 10
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(dict(id=f"r{i}", prompt=[1000] * 50, decode=[5])) + "\n" for i in range(2)))
+    rc = main(bench_args("--base-url", stub.base, "--dataset-name", "trace", "--dataset-path", str(trace), "--json"))
+    cap = capsys.readouterr()
+    assert rc == 1 and json.loads(cap.out.strip().splitlines()[-1])["failed"] == 2
+    assert "kvpool: error: all 2 requests failed (first error: HTTP 400: This model's maximum context" in cap.err
+    rc = main(bench_args("--base-url", stub.base, "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+                         "missing/r.json"))
+    assert rc == 2 and "result_filename: its folder" in capsys.readouterr().err
