@@ -118,7 +118,12 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            except (OSError, ValueError) as e:  # (transformers' advice to install sentencepiece names neither)
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"model: {self.model_dir} has no tokenizer kvpool can load ({first}); add its "
+                                 "tokenizer.json, or pass token ids with skip_tokenizer_init=True") from None
         self.runner = ModelRunner(self.model_dir, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
                                   block_size=config.block_size,
                                   kv_cache_memory=config.kv_cache_bytes(), device=config.device,

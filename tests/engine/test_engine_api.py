@@ -294,3 +294,23 @@ def test_the_step_budget_defaults_to_the_use(tiny_llama_dir: Path) -> None:
     assert engine_kwargs(build_parser().parse_args(["serve"]))["max_num_batched_tokens"] is None
     with pytest.raises(ValueError, match=r"^max_num_batched_tokens: must be an int >= 1 or None, got 0"):
         LLM(str(tiny_llama_dir), max_num_batched_tokens=0, **kw)  # type: ignore[arg-type]
+
+
+def test_a_model_folder_without_a_tokenizer_is_named(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"^model: .* has no tokenizer kvpool can load .*skip_tokenizer_init=True"):
+        LLM(str(tiny_llama_dir), dtype="float32", num_blocks=16)
+
+
+def test_kernels_switch_reads_the_usual_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.runner import kernels
+
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("KVPOOL_KERNELS", off)
+        kernels._library.cache_clear()
+        assert kernels._library() is False
+    monkeypatch.setenv("KVPOOL_KERNELS", "maybe")
+    kernels._library.cache_clear()
+    with pytest.raises(ValueError, match=r"^KVPOOL_KERNELS: 0 \(off\) or 1 \(on\), got 'maybe'"):
+        kernels._library()
+    monkeypatch.delenv("KVPOOL_KERNELS")
+    kernels._library.cache_clear()

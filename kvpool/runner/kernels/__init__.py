@@ -86,8 +86,11 @@ def build(verbose: bool = False) -> Path:
 @functools.cache
 def _library() -> bool:
     """Whether the compiled library is loaded (built first if need be)."""
-    if os.environ.get("KVPOOL_KERNELS", "1") == "0":
+    setting = os.environ.get("KVPOOL_KERNELS", "1").strip().lower()
+    if setting in ("0", "false", "no", "off"):
         return False
+    if setting not in ("1", "true", "yes", "on", ""):
+        raise ValueError(f"KVPOOL_KERNELS: 0 (off) or 1 (on), got {os.environ['KVPOOL_KERNELS']!r}")
     try:
         build()
     except Exception as e:  # a missing compiler or ninja must not stop the engine: torch computes the same
