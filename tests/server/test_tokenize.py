@@ -43,7 +43,7 @@ def test_a_prompt_and_a_chat_are_the_ids_a_request_runs(server: ServerHandle) ->
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[0].image_url"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
     ("/detokenize", {"tokens": "12"}, "tokens"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server: ServerHandle, path: str, body: dict, field: str) -> None:
