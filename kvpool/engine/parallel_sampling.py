@@ -51,8 +51,8 @@ class ParentRequest:
 
     def merge(self, out: RequestOutput) -> RequestOutput:
         """The parent's output after a child's (`out`, under the child's id): every choice that has an
-        output yet, as of its latest. The prompt's cached tokens and the timings are the first child's (the
-        prompt's own: the others share its blocks); finished once every child is."""
+        output yet, as of its latest; finished once every child is. The prompt's cached tokens are the first
+        child's (the prompt's own: the others share its blocks); the timings are the request's (see below)."""
         self._latest[self.index[out.request_id]] = out
         first = self._latest[min(self._latest)]
         finished = self.finished

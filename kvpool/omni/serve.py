@@ -336,9 +336,10 @@ def start_omni_server(pipeline: Pipeline, *, host: str = "127.0.0.1", port: int 
 
 def run(a: argparse.Namespace) -> None:
     from kvpool.omni.cli import build_pipeline
-    from kvpool.server.serve import media_options
+    from kvpool.server.serve import listen, media_options, serve_on
 
     media = media_options(a)  # checked before the models load
+    sock = listen(a.host, a.port)
     pipeline = build_pipeline(a, vision=not a.no_vision)
     worker = PipelineWorker(pipeline)
     app = create_omni_app(worker, model_name=a.served_model_name, api_key=a.api_key,
@@ -347,6 +348,6 @@ def run(a: argparse.Namespace) -> None:
     log.info("serving the omni pipeline `%s` (%s) on http://%s:%d", a.served_model_name,
              " -> ".join(c.name for c in pipeline.configs), a.host, a.port)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="info", lifespan="off")
+        serve_on(app, sock)
     finally:
         worker.shutdown()

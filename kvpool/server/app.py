@@ -249,6 +249,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         """A choice's, when the request asks for logprobs."""
         return LogprobsWriter(engine.engine.token_texts, chat) if params.logprobs is not None else None
 
+    def whole_logprobs(params: SamplingParams, choice: CompletionOutput, chat: bool) -> dict[str, Any] | None:
+        """A finished choice's logprobs, all at once (a response that is not streamed)."""
+        w = logprobs_writer(params, chat)
+        return w.next(choice.logprobs) if w else None
+
     def sse(streams: Sequence[RequestStream],
             chunk: Callable[[str, CompletionOutput, bool, dict[str, Any] | None], dict[str, Any]],
             params: SamplingParams, options: StreamOptions | None, rid: str, obj: str, stamp: int,
@@ -486,9 +491,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                        params, body.stream_options, rid, "text_completion", stamp, model=served)
         outs = await finish(request, streams, params.n)
         return JSONResponse({"id": rid, "object": "text_completion", "created": stamp, "model": served,
-                             "choices": [choice(o.text, o, True, w.next(o.logprobs) if w else None)
-                                         for out in outs for o in out.outputs
-                                         for w in [logprobs_writer(params, chat=False)]],
+                             "choices": [choice(o.text, o, True, whole_logprobs(params, o, chat=False))
+                                         for out in outs for o in out.outputs],
                              "usage": usage_json(outs)})
 
     @app.post("/v1/chat/completions")
@@ -527,8 +531,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                                          "logprobs": w.next(o.logprobs) if w else None, **finish_fields(o, True)}
-                                         for o in out.outputs for w in [logprobs_writer(params, chat=True)]],
+                                          "logprobs": whole_logprobs(params, o, chat=True), **finish_fields(o, True)}
+                                         for o in out.outputs],
                              "usage": usage_json([out])})
 
     return app

@@ -7,7 +7,9 @@ tests and benchmarks use it to run a real server on 127.0.0.1 without a subproce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -187,8 +189,30 @@ def pin_standing(engine: LLMEngine, prefixes: Sequence[StandingPrefix]) -> None:
                  "system prompt" if prefix.system_prompt else "prefix", pin.num_tokens, len(pin.blocks), pin.pin_id)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before a model loads (as vLLM binds it): a port in use, or an address that is
+    not this machine's, is a ValueError naming the port in a second, not uvicorn's exit after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+def serve_on(app: Any, sock: socket.socket) -> None:
+    """Run `app` on a socket from `listen` until interrupted (uvicorn's signal handling; a Ctrl-C ends it
+    quietly, as `uvicorn.run` does: uvicorn raises the signal again once it has shut down)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="off")).run(sockets=[sock])
+
+
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     media = media_options(args)  # checked before the model loads
+    sock = listen(args.host, args.port)
     standing = read_standing_prefixes(args)
     check_kv_events_options(args.kv_events_endpoint, args.kv_events_replay_endpoint,
                             args.kv_events_topic)  # (before the model loads)
@@ -205,10 +229,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                                             kv_events_topic=args.kv_events_topic, media=media,
                                             pin_prefixes=standing, allowed_origins=args.allowed_origins)
     async_engine.start()
-    log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host, args.port,
-             engine.stats().num_blocks, engine.config.block_size)
+    log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host,
+             sock.getsockname()[1], engine.stats().num_blocks, engine.config.block_size)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", lifespan="off")
+        serve_on(app, sock)
     finally:
         async_engine.shutdown()
         if publisher is not None:

@@ -53,3 +53,23 @@ def test_the_routers_preflights_pass_its_key() -> None:
     pre = client.options("/v1/completions", headers=PREFLIGHT)
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
     assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": APP}).status_code == 401
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(chat_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """(vLLM binds its socket first too: uvicorn's own bind came after the model had loaded, and exited 3.)"""
+    import socket
+
+    import kvpool.server.serve as serve_mod
+    from kvpool.cli import main
+
+    def no_load(**_: object) -> None:
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr(serve_mod, "LLMEngine", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(chat_llama_dir), "--port", str(port)]) == 2
+    assert f"kvpool: error: port: cannot listen on 127.0.0.1:{port} (Address already in use)" in capsys.readouterr().err
