@@ -824,7 +824,9 @@ class LLMEngine:
             steps.append(SeqStep(req.request_id, req.all_token_ids[s.start_pos:end], s.start_pos, tables[0],
                                  end == req.num_tokens, req.sampling_params, self._generators.get(req.request_id),
                                  tables if len(tables) > 1 else None, lora=req.lora_name,
-                                 logprobs=req.sampling_params.logprobs))
+                                 logprobs=req.sampling_params.logprobs,
+                                 history=(req.all_token_ids, req.num_prompt_tokens)
+                                 if end == req.num_tokens and req.sampling_params.penalized else None))
             if req.mm_inputs is not None:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)
         return steps

@@ -1,8 +1,8 @@
 """Sampling defaults a model ships in its `generation_config.json`, for requests that do not set them.
 
-Model authors tune temperature, top_p and top_k for their chat models (Qwen2.5-Instruct: 0.7, 0.8, 20;
-Llama-3-Instruct: 0.6, 0.9), and vLLM applies them by default (`--generation-config auto`): a client that
-leaves a field out gets the author's value, not 1.0. kvpool does the same (`generation_config="auto"`, the
+Model authors tune temperature, top_p, top_k and repetition_penalty for their chat models (Qwen2.5-Instruct:
+0.7, 0.8, 20, 1.05; Llama-3-Instruct: 0.6, 0.9), and vLLM applies them by default (`--generation-config auto`):
+a client that leaves a field out gets the author's value, not 1.0. kvpool does the same (`generation_config="auto"`, the
 default; `"vllm"` keeps kvpool's own defaults: temperature 1, no top-p or top-k cut). A value that would not
 make valid sampling parameters is skipped with a warning, never a failed start. (`do_sample` is not read, as
 vLLM does not: a request asks for greedy decoding with temperature 0.)
@@ -18,7 +18,7 @@ from kvpool.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("temperature", "top_p", "top_k")
+FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")  # (what vLLM reads of them too)
 MODES = ("auto", "vllm")
 
 

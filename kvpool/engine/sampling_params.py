@@ -26,6 +26,12 @@ class SamplingParams:
     # Each sampled token's log-probability and this many most likely tokens' (0: the sampled one's alone;
     # None: none), under the model's own distribution (kvpool.runner.sampler.TokenLogprobs).
     logprobs: int | None = None
+    # vLLM's penalties, applied to the logits before anything else (greedy rows too): presence and frequency
+    # over the tokens generated so far (each distinct one once, each occurrence once), repetition (> 1
+    # discourages, < 1 encourages) over the prompt's and the generated tokens, as transformers' processor.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -51,6 +57,11 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be a finite number, got {v!r}")
             return float(v)
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if number("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty: must be > 0 (1: off), got {self.repetition_penalty}")
         if number("temperature") < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0 < number("top_p") <= 1:
@@ -75,6 +86,11 @@ class SamplingParams:
             raise ValueError("stop: every stop string must be a non-empty string")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: every stop token id must be an int >= 0")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (each needs the request's tokens so far)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @classmethod
     def greedy(cls, max_tokens: int | None = 16, **kw: object) -> SamplingParams:

@@ -40,7 +40,7 @@ from kvpool.runner.models.llama import LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.models.mllama import CrossAttentionMetadata, CrossStep, plan_cross_attention
 from kvpool.runner.models.registry import resolve_model_class
 from kvpool.runner.multimodal import InputProcessor, MultiModalProcessor
-from kvpool.runner.sampler import SamplingLike, TokenLogprobs, is_greedy, sample, token_logprobs
+from kvpool.runner.sampler import History, SamplingLike, TokenLogprobs, is_greedy, sample, token_logprobs
 from kvpool.runner.stage_output_cache import StageOutputCache
 from kvpool.runner.state_cache import PagedBuffers, StateMetadata, large_page_bytes, layer_specs, plan_state
 
@@ -83,6 +83,7 @@ class SeqStep:
     cross: CrossStep | None = None
     lora: str | None = None  # the LoRA adapter these tokens run with (kvpool.runner.lora); None: the base model
     logprobs: int | None = None  # the sampled token's log-probability and this many top ones' (None: none)
+    history: History | None = None  # a penalized sequence's tokens so far, and its prompt's length (sampler)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
@@ -633,14 +634,14 @@ class ModelRunner:
             # One row per call, so always the one-row kernel, whatever the batch: as invariant as
             # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
-        elif all(is_greedy(s.sampling) and s.logprobs is None for s in want):
+        elif all(is_greedy(s.sampling) and s.logprobs is None and s.history is None for s in want):
             # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
             tokens = self.model.greedy_tokens(last, self._argmax_rows).tolist()
             return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}
         else:
             logits = self.model.compute_logits(last)
         params = [s.sampling for s in want]
-        tokens = sample(logits, params, [s.generator for s in want])  # type: ignore[arg-type]
+        tokens = sample(logits, params, [s.generator for s in want], [s.history for s in want])  # type: ignore[arg-type]
         asked = [i for i, s in enumerate(want) if s.logprobs is not None]
         if asked:  # (greedy rows too take their token off these fp32 logits: the argmax is the same)
             lps = token_logprobs(logits[asked], [tokens[i] for i in asked], [want[i].logprobs for i in asked])  # type: ignore[misc]

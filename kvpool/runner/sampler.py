@@ -1,8 +1,9 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, with per-request seeded generators; and
-the log-probabilities a request asks for (`logprobs`)."""
+"""Turning logits into tokens: penalties, greedy, temperature, top-k, top-p, with per-request seeded
+generators; and the log-probabilities a request asks for (`logprobs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +16,32 @@ class SamplingLike(Protocol):
     top_k: int
 
 
+class Penalties(Protocol):
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+
+
+# A sequence's tokens so far (prompt, then output) and how many of them are the prompt: what penalties read.
+History = tuple[Sequence[int], int]
+
+
+def apply_penalties(row: torch.Tensor, history: History, p: Penalties) -> torch.Tensor:
+    """One row of logits penalized as vLLM does it: repetition first, over every token of the prompt and the
+    output (a positive logit divided by the penalty, a negative one multiplied: transformers' processor),
+    then frequency and presence over the output's (each occurrence, each distinct token)."""
+    tokens, num_prompt = history
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    out = tokens[num_prompt:]
+    if out and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(list(out), device=row.device), minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
 # Below this temperature a row is greedy (vLLM's rule): dividing logits by 1e-300 would overflow to
 # inf and the softmax to NaN, and no sampler tells such a temperature from 0 anyway.
 SAMPLING_EPS = 1e-5
@@ -25,9 +52,15 @@ def is_greedy(p: SamplingLike | None) -> bool:
     return p is None or p.temperature < SAMPLING_EPS
 
 
-def sample(logits: torch.Tensor, params: list[SamplingLike],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id)."""
+def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[torch.Generator | None],
+           histories: Sequence[History | None] | None = None) -> list[int]:
+    """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id). Rows with
+    a history are penalized first (`apply_penalties`), on a copy: the caller's logits stay the model's."""
+    if histories is not None and any(h is not None for h in histories):
+        logits = logits.clone()
+        for i, h in enumerate(histories):
+            if h is not None:
+                apply_penalties(logits[i], h, params[i])  # type: ignore[arg-type]
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for i, p in enumerate(params):

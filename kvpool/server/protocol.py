@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (penalties, prompt logprobs, logit_bias, response_format, tools, guided decoding, vLLM's
-min_p / min_tokens / repetition_penalty / beam search / allowed or bad words / special-token and chat
+result (prompt logprobs, logit_bias, response_format, tools, guided decoding, vLLM's
+min_p / min_tokens / beam search / allowed or bad words / special-token and chat
 template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
 """
 
@@ -42,7 +42,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logit_bias": lambda v: v is None or v == {},
     "response_format": lambda v: v is None or v == {"type": "text"},
     "min_tokens": _none_or(0),
-    "repetition_penalty": _none_or(1),
     "min_p": _none_or(0),
     "prompt_logprobs": _none_or(),
     "guided_json": _none_or(),
@@ -95,6 +94,7 @@ class _SamplingFields(BaseModel):
     logprobs: Any = None
     # Extensions (as vLLM accepts them, in the body or via the OpenAI client's extra_body).
     top_k: int | None = None
+    repetition_penalty: float | None = None  # (None: the model's generation_config value, else 1: off)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -130,9 +130,6 @@ class _SamplingFields(BaseModel):
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """A ValueError naming the field for a value kvpool cannot honour. `defaults`: the model's values of
         temperature, top_p and top_k, for those the request leaves out (`LLMEngine.sampling_defaults`)."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name}: not supported (must be 0)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true (as OpenAI's and vLLM's servers)")
         extra = self.model_extra or {}  # fields not declared here: bookkeeping, or _UNSUPPORTED's
@@ -141,11 +138,12 @@ class _SamplingFields(BaseModel):
             if not harmless(value):
                 raise ValueError(f"{name}: not supported (got {value!r:.80})")
         # What the request sets, over the model's defaults, over SamplingParams' own.
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k")}
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
         sampling = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
         return SamplingParams(
             **sampling, max_tokens=self._max_tokens(), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
-            seed=self.seed, ignore_eos=self.ignore_eos, n=self.n,
+            seed=self.seed, ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs())
 
     def _logprobs(self) -> int | None:

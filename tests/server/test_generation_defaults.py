@@ -80,3 +80,13 @@ def test_a_request_that_leaves_fields_out_gets_the_models_values(top1_dir: Path)
         assert text(top_k=0) != greedy  # the request's own top_k: off, at the model's temperature 0.7
     finally:
         h.stop()
+
+
+def test_a_models_repetition_penalty_is_a_default_too() -> None:
+    """As vLLM reads it (Qwen2.5-Instruct ships 1.05); one that is no penalty (0) is skipped, not a failed start."""
+    from kvpool.engine.generation_defaults import read_defaults
+
+    assert read_defaults({"repetition_penalty": 1.05, "temperature": 0.7}) == {"repetition_penalty": 1.05,
+                                                                                "temperature": 0.7}
+    assert read_defaults({"repetition_penalty": 0}) == {}
+    assert read_defaults({"repetition_penalty": 1.05}, "vllm") == {}

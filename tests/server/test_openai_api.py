@@ -333,3 +333,21 @@ def test_each_choice_counts_its_own_inter_token_latencies(client: openai.OpenAI,
     while counts()[0] < itl + 12 and time.monotonic() < deadline:  # (the step's report follows its outputs)
         time.sleep(0.02)
     assert counts() == (itl + 12, prompt + r.usage.prompt_tokens)
+
+
+def test_penalties_reach_the_engine(client: openai.OpenAI, offline) -> None:
+    prompt = "the the the the the the the"
+    ids = offline.encode(prompt)
+    want = offline_logprobs(offline, ids, 8, 0)  # (greedy, no penalty: the baseline)
+    # (repetition below 1 pulls the prompt's tokens up: this random model never repeats on its own)
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=0.2)
+    offline.add_request(ids, SamplingParams.greedy(8, **kw))
+    penalized = None
+    while offline.has_unfinished_requests():
+        for out in offline.step():
+            if out.finished:
+                penalized = out.token_ids
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                  presence_penalty=0.5, frequency_penalty=0.25, extra_body={"repetition_penalty": 0.2})
+    assert offline.encode(r.choices[0].text) == penalized or r.choices[0].text == offline.decode(penalized)
+    assert penalized != want.token_ids
