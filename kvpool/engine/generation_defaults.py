@@ -18,7 +18,7 @@ from kvpool.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")  # (what vLLM reads of them too)
+FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # (what vLLM reads of them too)
 MODES = ("auto", "vllm")
 
 

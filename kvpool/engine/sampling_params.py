@@ -32,6 +32,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Tokens whose probability is below min_p times the most likely one's are not drawn (after temperature).
+    min_p: float = 0.0
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit (greedy requests too).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +64,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= number(name) <= 2:
                 raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= number("min_p") <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias: a map of token ids to biases, got {type(self.logit_bias).__name__}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias: keys are token ids (ints >= 0), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias: {t}: a bias in [-100, 100], got {b!r}")
         if number("repetition_penalty") <= 0:
             raise ValueError(f"repetition_penalty: must be > 0 (1: off), got {self.repetition_penalty}")
         if number("temperature") < 0:

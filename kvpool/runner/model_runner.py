@@ -40,7 +40,15 @@ from kvpool.runner.models.llama import LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.models.mllama import CrossAttentionMetadata, CrossStep, plan_cross_attention
 from kvpool.runner.models.registry import resolve_model_class
 from kvpool.runner.multimodal import InputProcessor, MultiModalProcessor
-from kvpool.runner.sampler import History, SamplingLike, TokenLogprobs, is_greedy, sample, token_logprobs
+from kvpool.runner.sampler import (
+    History,
+    SamplingLike,
+    TokenLogprobs,
+    biases,
+    is_greedy,
+    sample,
+    token_logprobs,
+)
 from kvpool.runner.stage_output_cache import StageOutputCache
 from kvpool.runner.state_cache import PagedBuffers, StateMetadata, large_page_bytes, layer_specs, plan_state
 
@@ -634,7 +642,8 @@ class ModelRunner:
             # One row per call, so always the one-row kernel, whatever the batch: as invariant as
             # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
-        elif all(is_greedy(s.sampling) and s.logprobs is None and s.history is None for s in want):
+        elif all(is_greedy(s.sampling) and s.logprobs is None and s.history is None and not biases(s.sampling)
+                 for s in want):
             # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
             tokens = self.model.greedy_tokens(last, self._argmax_rows).tolist()
             return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}

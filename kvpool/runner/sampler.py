@@ -3,6 +3,7 @@ generators; and the log-probabilities a request asks for (`logprobs`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,13 +53,26 @@ def is_greedy(p: SamplingLike | None) -> bool:
     return p is None or p.temperature < SAMPLING_EPS
 
 
+def biases(p: SamplingLike | None) -> dict[int, float] | None:
+    """A request's logit_bias, if any (a SamplingParams field; other samplings have none)."""
+    return getattr(p, "logit_bias", None) or None
+
+
 def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[torch.Generator | None],
            histories: Sequence[History | None] | None = None) -> list[int]:
     """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id). Rows with
-    a history are penalized first (`apply_penalties`), on a copy: the caller's logits stay the model's."""
-    if histories is not None and any(h is not None for h in histories):
+    a logit_bias or a history (penalties) have their logits changed first, on a copy: the caller's stay the
+    model's (its logprobs are read from them)."""
+    hist = histories or [None] * len(params)
+    changed = [i for i, p in enumerate(params) if biases(p) or hist[i] is not None]
+    if changed:
         logits = logits.clone()
-        for i, h in enumerate(histories):
+        for i in changed:
+            bias = biases(params[i])
+            if bias:
+                ids = [t for t in bias if t < logits.shape[1]]  # (ids past the LM head: tokens it never gives)
+                logits[i, ids] += torch.tensor([float(bias[t]) for t in ids], dtype=logits.dtype)
+            h = hist[i]
             if h is not None:
                 apply_penalties(logits[i], h, params[i])  # type: ignore[arg-type]
     greedy = logits.argmax(dim=-1).tolist()
@@ -74,6 +88,10 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
             # the argmax).
             kth = torch.topk(logits[i], p.top_k).values[-1]
             row = row.masked_fill(logits[i] < kth, float("-inf"))
+        min_p = getattr(p, "min_p", 0.0)
+        if min_p > 0:
+            # prob < min_p * max prob, in logits: below max + log(min_p) (what top-k keeps has the max).
+            row = row.masked_fill(row < row.max() + math.log(min_p), float("-inf"))
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             # Keep the smallest set whose mass reaches top_p, as transformers and vLLM do: in ascending order,

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (prompt logprobs, logit_bias, response_format, tools, guided decoding, vLLM's
-min_p / min_tokens / beam search / allowed or bad words / special-token and chat
+result (prompt logprobs, response_format, tools, guided decoding, vLLM's
+min_tokens / beam search / allowed or bad words / special-token and chat
 template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
 """
 
@@ -39,10 +39,8 @@ def _none_or_flag(default: bool) -> Callable[[Any], bool]:
 # changes nothing".
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _none_or(1),
-    "logit_bias": lambda v: v is None or v == {},
     "response_format": lambda v: v is None or v == {"type": "text"},
     "min_tokens": _none_or(0),
-    "min_p": _none_or(0),
     "prompt_logprobs": _none_or(),
     "guided_json": _none_or(),
     "guided_regex": _none_or(),
@@ -95,6 +93,8 @@ class _SamplingFields(BaseModel):
     # Extensions (as vLLM accepts them, in the body or via the OpenAI client's extra_body).
     top_k: int | None = None
     repetition_penalty: float | None = None  # (None: the model's generation_config value, else 1: off)
+    min_p: float | None = None  # (likewise; else 0: off)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) -> [-100, 100]
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -138,13 +138,23 @@ class _SamplingFields(BaseModel):
             if not harmless(value):
                 raise ValueError(f"{name}: not supported (got {value!r:.80})")
         # What the request sets, over the model's defaults, over SamplingParams' own.
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")}
         sampling = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
         return SamplingParams(
             **sampling, max_tokens=self._max_tokens(), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed, ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=self._logit_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            if not k.isdigit():  # (JSON keys are strings: OpenAI's are token ids written out)
+                raise ValueError(f"logit_bias: keys are token ids, got {k!r:.40}")
+            out[int(k)] = v
+        return out
 
     def _logprobs(self) -> int | None:
         """SamplingParams.logprobs: a completion's `logprobs` is the count of top tokens (0: the sampled

@@ -80,3 +80,25 @@ def test_apply_penalties_by_hand() -> None:
 def test_bad_penalties_name_the_field(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
+
+
+def test_logit_bias_moves_greedy_and_sampled_tokens(llm: LLM) -> None:
+    """(OpenAI's logit_bias: added to the logits, greedy requests too; the logprobs stay the model's.)"""
+    base = llm.generate([PROMPT], SamplingParams.greedy(4, logprobs=1), use_tqdm=False)[0].outputs[0]
+    first, second = base.logprobs[0].top[0][0], None  # type: ignore[index]
+    forced = llm.generate([PROMPT], SamplingParams.greedy(4, logit_bias={42: 100}), use_tqdm=False)[0]
+    assert forced.token_ids == [42] * 4
+    banned = llm.generate([PROMPT], SamplingParams.greedy(1, logit_bias={first: -100}, logprobs=2),
+                          use_tqdm=False)[0].outputs[0]
+    second = banned.logprobs[0].top[1][0]  # type: ignore[index]
+    assert banned.token_ids == [second] and banned.logprobs[0].top[0][0] == first  # type: ignore[index]
+    sampled = llm.generate([PROMPT], SamplingParams(max_tokens=6, seed=3, logit_bias={7: 100}), use_tqdm=False)[0]
+    assert sampled.token_ids == [7] * 6
+    with pytest.raises(ValueError, match=r"^logit_bias: token ids must be in \[0, 256\), got 999"):
+        llm.generate([PROMPT], SamplingParams.greedy(1, logit_bias={999: 1}), use_tqdm=False)
+
+
+def test_min_p_one_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams.greedy(8, ignore_eos=True), use_tqdm=False)[0].token_ids
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=8, seed=5, min_p=1.0, ignore_eos=True),
+                        use_tqdm=False)[0].token_ids == greedy

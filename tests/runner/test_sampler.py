@@ -48,3 +48,16 @@ def test_top_k_keeps_the_k_largest_at_any_temperature(temperature: float) -> Non
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.3, 1.9]])
     assert kept(logits, top_k=1, temperature=temperature) == {1}
     assert kept(logits, top_k=3, temperature=temperature) == {1, 3, 5}
+
+
+@pytest.mark.parametrize(("min_p", "temperature"), [(0.3, 1.0), (0.55, 1.0), (0.2, 0.5), (0.6, 2.0)])
+def test_min_p_keeps_what_transformers_keeps(min_p: float, temperature: float) -> None:
+    """After the temperature, as vLLM and transformers' warper (probabilities 0.4, 0.2, 0.15, 0.1, ... here)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, [0, 2, 3, 5, 7]] = torch.tensor([0.4, 0.2, 0.15, 0.1, 0.15]).log()
+    scaled = logits / temperature
+    want = set(torch.isfinite(MinPLogitsWarper(min_p)(None, scaled.clone())[0]).nonzero().flatten().tolist())
+    assert kept(logits, min_p=min_p, temperature=temperature) == want
+    assert 1 <= len(want) < 5  # (each case cuts some tokens; none falls on the boundary, where rounding decides)

@@ -93,8 +93,11 @@ CASES = [
      "stream_options: only with stream=true"),
     # Fields that would change the answer and are not implemented: refused by name, never ignored.
     ("/v1/completions", body(best_of=2), 400, "best_of", "best_of: not supported"),
-    ("/v1/completions", body(logit_bias={"5": 100}), 400, "logit_bias", "logit_bias: not supported"),
-    ("/v1/completions", body(min_p=0.1), 400, "min_p", "min_p: not supported"),
+    ("/v1/completions", body(logit_bias={"x": 100}), 400, "logit_bias", "logit_bias: keys are token ids, got 'x'"),
+    ("/v1/completions", body(logit_bias={"5": 101}), 400, "logit_bias", "logit_bias: 5: a bias in [-100, 100]"),
+    ("/v1/completions", body(logit_bias={"49152": 1}), 400, "logit_bias",
+     "logit_bias: token ids must be in [0, 49152)"),
+    ("/v1/completions", body(min_p=1.5), 400, "min_p", "min_p: must be in [0, 1], got 1.5"),
     ("/v1/completions", body(repetition_penalty=0), 400, "repetition_penalty",
      "repetition_penalty: must be > 0 (1: off)"),
     ("/v1/chat/completions", json.dumps({**CHAT, "response_format": {"type": "json_object"}}).encode(), 400,
