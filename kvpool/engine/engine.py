@@ -829,7 +829,9 @@ class LLMEngine:
                                  tables if len(tables) > 1 else None, lora=req.lora_name,
                                  logprobs=req.sampling_params.logprobs,
                                  history=(req.all_token_ids, req.num_prompt_tokens)
-                                 if end == req.num_tokens and req.sampling_params.penalized else None))
+                                 if end == req.num_tokens and req.sampling_params.penalized else None,
+                                 banned=(sorted(req.stop_token_ids) or None)
+                                 if end == req.num_tokens and req.stop_tokens_banned else None))
             if req.mm_inputs is not None:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)
         return steps

@@ -90,6 +90,16 @@ class Request(CacheRequest):
             self._stop_tokens.update(eos_token_ids)
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end it: EOS (unless ignore_eos) and its stop_token_ids."""
+        return frozenset(self._stop_tokens)
+
+    @property
+    def stop_tokens_banned(self) -> bool:
+        """Whether its next token must not be a stop token (min_tokens not reached)."""
+        return self.num_output_tokens < self.sampling_params.min_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
 

@@ -34,6 +34,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Tokens whose probability is below min_p times the most likely one's are not drawn (after temperature).
     min_p: float = 0.0
+    # No stop token (EOS, stop_token_ids) is drawn, and no stop string ends the answer, before this many
+    # tokens (vLLM's min_tokens).
+    min_tokens: int = 0
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit (greedy requests too).
     logit_bias: dict[int, float] | None = None
 
@@ -87,6 +90,10 @@ class SamplingParams:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
                                             or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if type(self.n) is not int or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be an int in [1, {MAX_N}] (sequences sampled from the prompt), got {self.n!r}")
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):

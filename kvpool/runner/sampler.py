@@ -59,12 +59,14 @@ def biases(p: SamplingLike | None) -> dict[int, float] | None:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[torch.Generator | None],
-           histories: Sequence[History | None] | None = None) -> list[int]:
+           histories: Sequence[History | None] | None = None,
+           banned: Sequence[Sequence[int] | None] | None = None) -> list[int]:
     """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id). Rows with
-    a logit_bias or a history (penalties) have their logits changed first, on a copy: the caller's stay the
-    model's (its logprobs are read from them)."""
+    a logit_bias, a history (penalties) or banned tokens (never drawn) have their logits changed first, on a
+    copy: the caller's stay the model's (its logprobs are read from them)."""
     hist = histories or [None] * len(params)
-    changed = [i for i, p in enumerate(params) if biases(p) or hist[i] is not None]
+    ban = banned or [None] * len(params)
+    changed = [i for i, p in enumerate(params) if biases(p) or hist[i] is not None or ban[i]]
     if changed:
         logits = logits.clone()
         for i in changed:
@@ -75,6 +77,8 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
             h = hist[i]
             if h is not None:
                 apply_penalties(logits[i], h, params[i])  # type: ignore[arg-type]
+            if ban[i]:
+                logits[i, [t for t in ban[i] if t < logits.shape[1]]] = float("-inf")  # type: ignore[union-attr]
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for i, p in enumerate(params):

@@ -2,7 +2,7 @@
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
 result (prompt logprobs, response_format, tools, guided decoding, vLLM's
-min_tokens / beam search / allowed or bad words / special-token and chat
+beam search / allowed or bad words / special-token and chat
 template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
 """
 
@@ -40,7 +40,6 @@ def _none_or_flag(default: bool) -> Callable[[Any], bool]:
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _none_or(1),
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "min_tokens": _none_or(0),
     "prompt_logprobs": _none_or(),
     "guided_json": _none_or(),
     "guided_regex": _none_or(),
@@ -94,6 +93,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None
     repetition_penalty: float | None = None  # (None: the model's generation_config value, else 1: off)
     min_p: float | None = None  # (likewise; else 0: off)
+    min_tokens: int = 0  # vLLM's: no stop token or stop string before this many tokens
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) -> [-100, 100]
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -143,7 +143,7 @@ class _SamplingFields(BaseModel):
         return SamplingParams(
             **sampling, max_tokens=self._max_tokens(), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed, ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logit_bias=self._logit_bias(),
+            frequency_penalty=self.frequency_penalty, logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs())
 
     def _logit_bias(self) -> dict[int, float] | None:

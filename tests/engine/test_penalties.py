@@ -102,3 +102,19 @@ def test_min_p_one_is_greedy(llm: LLM) -> None:
     greedy = llm.generate([PROMPT], SamplingParams.greedy(8, ignore_eos=True), use_tqdm=False)[0].token_ids
     assert llm.generate([PROMPT], SamplingParams(max_tokens=8, seed=5, min_p=1.0, ignore_eos=True),
                         use_tqdm=False)[0].token_ids == greedy
+
+
+def test_min_tokens_holds_back_the_stop_tokens(llm: LLM) -> None:
+    base = llm.generate([PROMPT], SamplingParams.greedy(6, ignore_eos=True), use_tqdm=False)[0].token_ids
+    stop = base[0]
+    assert llm.generate([PROMPT], SamplingParams.greedy(6, stop_token_ids=[stop]), use_tqdm=False)[0].token_ids == [
+        stop]
+    held = llm.generate([PROMPT], SamplingParams.greedy(6, stop_token_ids=[stop], min_tokens=4, logprobs=1),
+                        use_tqdm=False)[0].outputs[0]
+    assert stop not in held.token_ids[:4] and len(held.token_ids) >= 4
+    assert held.logprobs is not None and held.logprobs[0].top[0][0] == stop  # (the model's own choice, banned)
+    # The same as a bias that rules the token out for those four: the next best each time.
+    banned = llm.generate([PROMPT], SamplingParams.greedy(4, logit_bias={stop: -100}), use_tqdm=False)[0].token_ids
+    assert held.token_ids[:4] == banned
+    with pytest.raises(ValueError, match=r"^min_tokens: must be <= max_tokens \(3\), got 4"):
+        SamplingParams(max_tokens=3, min_tokens=4)

@@ -351,3 +351,15 @@ def test_penalties_reach_the_engine(client: openai.OpenAI, offline) -> None:
                                   presence_penalty=0.5, frequency_penalty=0.25, extra_body={"repetition_penalty": 0.2})
     assert offline.encode(r.choices[0].text) == penalized or r.choices[0].text == offline.decode(penalized)
     assert penalized != want.token_ids
+
+
+def test_min_tokens_holds_back_stop_strings(client: openai.OpenAI, offline) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    want, ids = offline_text(offline, prompt, 8)
+    stop = want[:2]
+    assert stop.strip()  # (a stop string the answer starts with)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
+    held = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens >= 3 and held.choices[0].text.startswith(offline.decode(ids[:3]))
