@@ -37,6 +37,8 @@ from kvpool.cli import build_parser, main
      "redis_url: only the redis backend reads it"),
     (["bench", "store", "--backends", "redis", "--redis-url", "redis://127.0.0.1:9", "--blocks", "2"],
      "store: cannot reach redis://127.0.0.1:9"),
+    (["bench", "store", "--backends", "redis", "--redis-url", "bogus", "--blocks", "2"],
+     "redis_url: 'bogus' is not a URL"),
     (["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:99999", "--num-prompts", "1"],
      "base_url: 'http://127.0.0.1:99999' has no valid port"),
     (["bench", "serve", "--model", "m", "--burstiness", "inf", "--num-prompts", "1"],
