@@ -500,8 +500,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.validate()  # again: the caller may have changed a field since it was made
-        if params.logit_bias and max(params.logit_bias) >= self.runner.num_embeddings:
-            raise ValueError(f"logit_bias: token ids must be in [0, {self.runner.num_embeddings}), got "
+        if params.logit_bias and max(params.logit_bias) >= self.runner.num_logits:
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.runner.num_logits}), got "
                              f"{max(params.logit_bias)}")
         if params.stop and self.detokenizer is None:
             raise ValueError("stop: stop strings need the tokenizer to read the output (this engine was made with "

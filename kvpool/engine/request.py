@@ -73,6 +73,9 @@ class Request(CacheRequest):
             mt = room if mt is None else mt
         if mt is None:
             raise ValueError("max_tokens: None (until the context is full) needs a known max_model_len")
+        if sampling_params.min_tokens > mt:  # (max_tokens None: the room left, as vLLM fills it in)
+            raise ValueError(f"min_tokens: must be <= max_tokens ({mt}: the context's room after the prompt), got "
+                             f"{sampling_params.min_tokens}")
         self.max_tokens: int = mt
         self.stop_reason: int | str | None = None
         self.stopped_by_token = False  # its last token is a stop token (EOS or stop_token_ids)

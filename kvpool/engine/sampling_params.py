@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # n: sequences sampled from one prompt at most (OpenAI's bound). Each is a request of its own in the scheduler,
 # sharing the prompt's blocks (kvpool.engine.parallel_sampling).
 MAX_N = 128
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (every step adds them to its logits)
 MAX_LOGPROBS = 20  # top tokens' log-probabilities per sampled token at most (OpenAI's and vLLM's default bound)
 
 
@@ -72,6 +73,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias: a map of token ids to biases, got {type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:  # (each step adds them to the request's logits)
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
             for t, b in self.logit_bias.items():
                 if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                     raise ValueError(f"logit_bias: keys are token ids (ints >= 0), got {t!r}")

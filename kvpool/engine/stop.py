@@ -113,7 +113,7 @@ class StopChecker:
         if stops and req.stop_reason in stops:
             return finished  # cut at a stop string already: the text is final
         new_from = self.detokenizer.update(req)
-        if (stops and req.num_output_tokens >= req.sampling_params.min_tokens  # (vLLM's: none before min_tokens)
+        if (stops and req.num_output_tokens > req.sampling_params.min_tokens  # (vLLM's: none up to min_tokens)
                 and self._match(req, stops, new_from) and req.status is not RequestStatus.FINISHED_STOPPED):
             # A stop string the last allowed token completed is a stop, not the length limit (as vLLM).
             req.status = RequestStatus.FINISHED_STOPPED

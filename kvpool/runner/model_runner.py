@@ -8,6 +8,7 @@ the sequences that reached their last known token.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -367,6 +368,13 @@ class ModelRunner:
     def num_embeddings(self) -> int:
         """Rows of the embedding table: valid token ids are below (special tokens may follow the vocabulary)."""
         return int(self.model.embed_tokens.num_embeddings)
+
+    @functools.cached_property
+    def num_logits(self) -> int:
+        """The LM head's width: the tokens a step can give (Mllama's image token, past it, is never given)."""
+        hidden = torch.zeros(1, self.model.embed_tokens.embedding_dim, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            return int(self.model.compute_logits(hidden).shape[-1])
 
     def make_input_processor(self, vision_encoder: Any = None, encoder_cache_bytes: int = 256 << 20
                              ) -> InputProcessor:

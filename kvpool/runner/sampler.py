@@ -32,13 +32,19 @@ def apply_penalties(row: torch.Tensor, history: History, p: Penalties) -> torch.
     output (a positive logit divided by the penalty, a negative one multiplied: transformers' processor),
     then frequency and presence over the output's (each occurrence, each distinct token)."""
     tokens, num_prompt = history
+    width = row.shape[0]
+    # (Ids past the LM head, such as an image placeholder, are tokens it never gives: left out, as vLLM does.)
+    every = torch.as_tensor(tokens, dtype=torch.long, device=row.device)
     if p.repetition_penalty != 1:
-        seen = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=row.device)
+        seen = every[every < width].unique()
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    out = tokens[num_prompt:]
-    if out and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(torch.tensor(list(out), device=row.device), minlength=row.shape[0]).to(row.dtype)
+        # A penalty near 0 sends a positive logit to inf (and the softmax to NaN): the largest float instead.
+        torch.nan_to_num_(row, posinf=torch.finfo(row.dtype).max)
+    out = every[num_prompt:]
+    out = out[out < width]
+    if out.numel() and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(out, minlength=width).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return row
 
@@ -71,14 +77,16 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
         logits = logits.clone()
         for i in changed:
             bias = biases(params[i])
-            if bias:
-                ids = [t for t in bias if t < logits.shape[1]]  # (ids past the LM head: tokens it never gives)
-                logits[i, ids] += torch.tensor([float(bias[t]) for t in ids], dtype=logits.dtype)
+            if bias:  # (its ids are checked against the LM head's width when the request is made)
+                ids = list(bias)
+                logits[i, ids] += torch.tensor([float(bias[t]) for t in ids], dtype=logits.dtype,
+                                               device=logits.device)
             h = hist[i]
             if h is not None:
                 apply_penalties(logits[i], h, params[i])  # type: ignore[arg-type]
-            if ban[i]:
-                logits[i, [t for t in ban[i] if t < logits.shape[1]]] = float("-inf")  # type: ignore[union-attr]
+            stops = [t for t in ban[i] or () if t < logits.shape[1]]
+            if stops and len(stops) < logits.shape[1]:  # (stop tokens covering the vocabulary: none to ban)
+                logits[i, stops] = float("-inf")
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for i, p in enumerate(params):

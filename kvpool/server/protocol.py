@@ -151,7 +151,8 @@ class _SamplingFields(BaseModel):
             return None
         out = {}
         for k, v in self.logit_bias.items():
-            if not k.isdigit():  # (JSON keys are strings: OpenAI's are token ids written out)
+            # (JSON keys are strings: OpenAI's are token ids written out; "²" is a digit to isdigit, not to int)
+            if not (k.isascii() and k.isdigit() and len(k) <= 12):
                 raise ValueError(f"logit_bias: keys are token ids, got {k!r:.40}")
             out[int(k)] = v
         return out

@@ -118,3 +118,25 @@ def test_min_tokens_holds_back_the_stop_tokens(llm: LLM) -> None:
     assert held.token_ids[:4] == banned
     with pytest.raises(ValueError, match=r"^min_tokens: must be <= max_tokens \(3\), got 4"):
         SamplingParams(max_tokens=3, min_tokens=4)
+
+
+def test_penalties_ignore_ids_past_the_lm_head_and_never_give_nan() -> None:
+    """An image placeholder (an id past the LM head, as Mllama's) in the history is left out, as vLLM does; a
+    penalty near 0 does not send a logit to inf (a NaN softmax failed the whole step)."""
+    row = torch.tensor([1.0, -1.0, 2.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)
+    got = apply_penalties(row.clone(), ([0, 7, 2, 9, 2, 9], 2), p)  # prompt [0, 7]; output [2, 9, 2, 9]
+    assert got.tolist() == [0.5, -1.0, 2.0 / 2 - 2.0, 0.5]
+    tiny = apply_penalties(row.clone(), ([0, 2], 0), SamplingParams(repetition_penalty=1e-40))
+    assert torch.isfinite(tiny).all() and int(tiny.argmax()) in (0, 2)
+
+
+def test_min_tokens_when_every_token_stops_and_past_the_room(llm: LLM) -> None:
+    every = list(range(256))
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, seed=1, min_tokens=2, stop_token_ids=every),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) == 1 and out.outputs[0].finish_reason == "stop"  # (nothing left to draw instead)
+    with pytest.raises(ValueError, match=r"^min_tokens: must be <= max_tokens \(\d+: the context's room"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=None, min_tokens=10**8), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^logit_bias: at most 1024 tokens, got 1025"):
+        SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))

@@ -94,6 +94,8 @@ CASES = [
     # Fields that would change the answer and are not implemented: refused by name, never ignored.
     ("/v1/completions", body(best_of=2), 400, "best_of", "best_of: not supported"),
     ("/v1/completions", body(logit_bias={"x": 100}), 400, "logit_bias", "logit_bias: keys are token ids, got 'x'"),
+    ("/v1/completions", body(logit_bias={"²": 1}), 400, "logit_bias", "logit_bias: keys are token ids, got '²'"),
+    ("/v1/completions", body(logit_bias={"9" * 5000: 1}), 400, "logit_bias", "logit_bias: keys are token ids"),
     ("/v1/completions", body(logit_bias={"5": 101}), 400, "logit_bias", "logit_bias: 5: a bias in [-100, 100]"),
     ("/v1/completions", body(logit_bias={"49152": 1}), 400, "logit_bias",
      "logit_bias: token ids must be in [0, 49152)"),

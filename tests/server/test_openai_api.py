@@ -363,3 +363,17 @@ def test_min_tokens_holds_back_stop_strings(client: openai.OpenAI, offline) -> N
     held = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
                                      extra_body={"min_tokens": 3})
     assert held.usage.completion_tokens >= 3 and held.choices[0].text.startswith(offline.decode(ids[:3]))
+
+
+def test_a_stop_string_completed_by_the_min_tokens_th_token_does_not_stop(client: openai.OpenAI, offline) -> None:
+    """vLLM checks stop strings once the answer is longer than min_tokens: a string the 3rd token completes
+    does not end an answer with min_tokens 3 (as a stop token may first be the 4th)."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    _, ids = offline_text(offline, prompt, 8)
+    stop = offline.decode(ids[2:3]).strip()
+    assert stop and stop not in offline.decode(ids[:2])
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
+    assert plain.usage.completion_tokens == 3 and plain.choices[0].finish_reason == "stop"
+    held = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens > 3
