@@ -300,13 +300,13 @@ class EngineConfig:
                                  "swap_space)")
         # Options of prefix caching with it off would be ignored, silently: the user meant to have it.
         if not self.enable_prefix_caching:
-            for name, off in (("eviction_policy", "lru"), ("hash_seed", None), ("pin_budget", 0.2)):
-                if getattr(self, name) != off:
+            for name in ("eviction_policy", "hash_seed", "pin_budget"):
+                if getattr(self, name) != getattr(CacheConfig, name):  # (its default: what "not set" reads as)
                     raise ValueError(f"{name}: applies to cached blocks, and prefix caching is off "
                                      f"(enable_prefix_caching=False, --no-prefix-caching)")
         if not self.enable_lora:
-            for name, default in (("max_loras", 1), ("max_lora_rank", 16)):
-                if getattr(self, name) != default:
+            for name in ("max_loras", "max_lora_rank"):
+                if getattr(self, name) != getattr(RunnerConfig, name):
                     raise ValueError(f"{name}: bounds LoRA adapters, and LoRA is off (set enable_lora)")
         if self.kv_store and self.stage_outputs:
             # A block read from the store brings its K/V, not the stage outputs of its tokens: the prefix's
