@@ -172,7 +172,7 @@ class KVCacheManager:
         With a host tier the lookup continues there where the device has no copy; every group must
         accept the hit, wherever its blocks are (a host hit is never a hit one group cannot serve).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_hit:
             return self._empty_blocks(), 0
         num_tokens = len(request.all_token_ids)
         # The last token is always recomputed: its logits are needed to sample.

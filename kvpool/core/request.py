@@ -94,6 +94,12 @@ class CacheRequest:
             hasher.extend(self, buf)
 
     @property
+    def skip_prefix_hit(self) -> bool:
+        """Whether it must compute its whole prompt (no prefix hit): a request that needs every prompt
+        position's output (its prompt's log-probabilities) until it has them. Its blocks are still cached."""
+        return False
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 

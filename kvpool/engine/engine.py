@@ -798,6 +798,11 @@ class LLMEngine:
         if self.stage_outputs is not None:
             self.stage_outputs.collect(out, self.runner.last_outputs)
         progressed = self.scheduler.update_from_output(out, sampled)
+        if self.runner.last_prompt_logprobs:
+            for s in out.scheduled:
+                rows = self.runner.last_prompt_logprobs.get(s.request.request_id)
+                if rows is not None:
+                    s.request.add_prompt_logprobs(s.start_pos, rows)
         if self.runner.last_logprobs:
             for req in progressed:
                 if req.logprobs is not None:
@@ -831,7 +836,8 @@ class LLMEngine:
                                  history=(req.all_token_ids, req.num_prompt_tokens)
                                  if end == req.num_tokens and req.sampling_params.penalized else None,
                                  banned=(sorted(req.stop_token_ids) or None)
-                                 if end == req.num_tokens and req.stop_tokens_banned else None))
+                                 if end == req.num_tokens and req.stop_tokens_banned else None,
+                                 prompt_logprobs=req.prompt_logprobs_step(s.start_pos, end)))
             if req.mm_inputs is not None:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)
         return steps
@@ -846,6 +852,8 @@ class LLMEngine:
                                       req.stop_reason if finished else None,
                                       list(req.logprobs) if req.logprobs is not None else None)],
             finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics,
+            # (complete before the first token; never changed after: the list itself, not a copy)
+            prompt_logprobs=req.prompt_logprobs if not req.skip_prefix_hit else None,
             stage_outputs=self.stage_outputs.take(req.request_id) if finished and self.stage_outputs else None)
 
     def _forget(self, request_id: str) -> None:

@@ -28,6 +28,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Each prompt token's log-probabilities once all are computed (SamplingParams.prompt_logprobs): None for
+    # the first token, then one per token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Omni stages (stage_outputs=True), once finished: name -> (tokens computed, *D) per-token outputs.
     stage_outputs: dict[str, Any] | None = None
 

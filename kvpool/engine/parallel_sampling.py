@@ -30,14 +30,17 @@ def child_id(parent_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Child `index`'s sampling parameters: one sequence, and seed + index when the request is seeded."""
+    """Child `index`'s sampling parameters: one sequence, and seed + index when the request is seeded. Only
+    child 0 computes the prompt's log-probabilities (the request's; a child asking for them would compute the
+    prompt whole, the others share child 0's blocks)."""
     seed = params.seed
     if seed is not None:
         seed += index
         if seed >= _SEEDS:
             seed -= _SEEDS
     stop = list(params.stop) if params.stop is not None else None  # type: ignore[arg-type]
-    return replace(params, n=1, seed=seed, stop=stop, stop_token_ids=list(params.stop_token_ids))
+    return replace(params, n=1, seed=seed, stop=stop, stop_token_ids=list(params.stop_token_ids),
+                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 class ParentRequest:
@@ -55,6 +58,7 @@ class ParentRequest:
         child's (the prompt's own: the others share its blocks); the timings are the request's (see below)."""
         self._latest[self.index[out.request_id]] = out
         first = self._latest[min(self._latest)]
+        zero = self._latest.get(0)
         finished = self.finished
         metrics = first.metrics
         if metrics is not None:  # the request's first token is its first choice's; it ends with its last
@@ -65,7 +69,8 @@ class ParentRequest:
         return RequestOutput(
             request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=[replace(self._latest[i].outputs[0], index=i) for i in sorted(self._latest)],
-            finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=metrics)
+            finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=metrics,
+            prompt_logprobs=zero.prompt_logprobs if zero is not None else None)
 
     @property
     def finished(self) -> bool:

@@ -88,9 +88,42 @@ class Request(CacheRequest):
         self.children: list[Request] = []
         # Each output token's log-probabilities, when the request asks for them (SamplingParams.logprobs).
         self.logprobs: list[TokenLogprobs] | None = [] if sampling_params.logprobs is not None else None
+        # ... and each prompt token's (SamplingParams.prompt_logprobs): None for the first (nothing precedes
+        # it), then filled as its rows are computed.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)
+
+    @property
+    def skip_prefix_hit(self) -> bool:
+        """A cached block holds the keys and values of its tokens, not their logits: a request computes
+        its prompt whole until it has every prompt token's log-probability (vLLM's rule). A preempted one
+        that has them resumes from the cache like any other."""
+        p = self.prompt_logprobs
+        return p is not None and len(p) < self.num_prompt_tokens
+
+    def prompt_logprobs_step(self, start: int, end: int) -> tuple[int, list[int]] | None:
+        """What the runner computes for the prompt's log-probabilities when it computes positions [start,
+        end): their top count and each row's next prompt token (SeqStep.prompt_logprobs); None when it
+        has them all. (A request preempted mid-prompt computes rows again: `add_prompt_logprobs` keeps the
+        first.)"""
+        p = self.prompt_logprobs
+        if p is None or len(p) >= self.num_prompt_tokens or start >= self.num_prompt_tokens - 1:
+            return None
+        k = self.sampling_params.prompt_logprobs
+        return k, self.all_token_ids[start + 1:min(end, self.num_prompt_tokens - 1) + 1]  # type: ignore[return-value]
+
+    def add_prompt_logprobs(self, start: int, rows: Sequence[TokenLogprobs]) -> None:
+        """Rows computed from position `start` on: entry start + 1 + j is row j's."""
+        p = self.prompt_logprobs
+        if p is None:
+            return
+        have = len(p) - (start + 1)  # (rows already kept, from an earlier computation of these positions)
+        if have < 0:
+            raise RuntimeError(f"{self.request_id}: prompt rows from position {start} skip entries up to {len(p)}")
+        p.extend(rows[have:])
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

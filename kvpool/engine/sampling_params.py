@@ -27,6 +27,10 @@ class SamplingParams:
     # Each sampled token's log-probability and this many most likely tokens' (0: the sampled one's alone;
     # None: none), under the model's own distribution (kvpool.runner.sampler.TokenLogprobs).
     logprobs: int | None = None
+    # Each prompt token's log-probability (but the first's: nothing precedes it) and this many most likely
+    # tokens' at its position (RequestOutput.prompt_logprobs), as vLLM's prompt_logprobs. The request then
+    # computes its prompt whole: a cached block holds keys and values, not logits (its blocks are cached).
+    prompt_logprobs: int | None = None
     # vLLM's penalties, applied to the logits before anything else (greedy rows too): presence and frequency
     # over the tokens generated so far (each distinct one once, each occurrence once), repetition (> 1
     # discourages, < 1 encourages) over the prompt's and the generated tokens, as transformers' processor.
@@ -102,6 +106,10 @@ class SamplingParams:
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}] (the top tokens to return), got "
                              f"{self.logprobs!r}")
+        if self.prompt_logprobs is not None and (type(self.prompt_logprobs) is not int
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs: must be an int in [0, {MAX_LOGPROBS}] (the top tokens to return), "
+                             f"got {self.prompt_logprobs!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             # (torch's generators take 64-bit seeds: a larger one would fail on the engine thread)

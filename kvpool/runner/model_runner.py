@@ -94,6 +94,9 @@ class SeqStep:
     logprobs: int | None = None  # the sampled token's log-probability and this many top ones' (None: none)
     history: History | None = None  # a penalized sequence's tokens so far, and its prompt's length (sampler)
     banned: Sequence[int] | None = None  # tokens it must not draw now (its stop tokens, before min_tokens)
+    # Prompt log-probabilities (SamplingParams.prompt_logprobs): (k, targets), targets[j] being the prompt token
+    # that follows row j of token_ids (one per row but the prompt's last, whose logits sample instead).
+    prompt_logprobs: tuple[int, list[int]] | None = None
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
@@ -335,6 +338,8 @@ class ModelRunner:
         self.last_outputs: dict[str, dict[str, torch.Tensor]] = {}
         # The last step's log-probabilities, by request, for the sequences that asked for them (SeqStep.logprobs).
         self.last_logprobs: dict[str, TokenLogprobs] = {}
+        # ... and the prompt tokens' whose rows the last step computed (SeqStep.prompt_logprobs), in order.
+        self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.lora: LoRAManager | None = None  # set by enable_lora
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
@@ -615,6 +620,23 @@ class ModelRunner:
                 t += n
         return hidden
 
+    # Rows of prompt logits computed at once: a (rows, vocabulary) float32 block (256 x 49,152: 48 MiB), so
+    # that a long prompt's log-probabilities never hold its whole logits matrix.
+    PROMPT_LOGPROBS_ROWS = 256
+
+    def _prompt_logprobs(self, steps: list[SeqStep], hidden: torch.Tensor) -> None:
+        t = 0
+        for s in steps:
+            if s.prompt_logprobs is not None and s.prompt_logprobs[1]:
+                k, targets = s.prompt_logprobs
+                out: list[TokenLogprobs] = []
+                for a in range(0, len(targets), self.PROMPT_LOGPROBS_ROWS):
+                    b = min(a + self.PROMPT_LOGPROBS_ROWS, len(targets))
+                    logits = self.model.compute_logits(hidden[t + a:t + b])
+                    out += token_logprobs(logits, targets[a:b], [k] * (b - a))
+                self.last_prompt_logprobs[s.req_id] = out
+            t += len(s.token_ids)
+
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:
         """Run one forward over all scheduled tokens; return the sampled token of each finishing chunk.
@@ -623,6 +645,7 @@ class ModelRunner:
         """
         self.execute_swaps(swap_plan)
         self.last_logprobs = {}
+        self.last_prompt_logprobs = {}
         if not steps:
             return {}
         if self.lora is not None:
@@ -637,6 +660,8 @@ class ModelRunner:
         self.num_tokens_computed += int(input_ids.shape[0])
         if self.lora is not None:
             self.lora.end_step()
+        if any(s.prompt_logprobs is not None for s in steps):
+            self._prompt_logprobs(steps, hidden)
         rows, want = [], []
         t = 0
         for s in steps:

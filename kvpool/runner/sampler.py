@@ -120,21 +120,30 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """A sampled token's log-probability and the `k` most likely tokens' (most likely first), under the
-    model's own distribution: the log-softmax of its logits before temperature, top-k and top-p (vLLM's
-    default, "raw_logprobs"), so the numbers do not depend on how the token was drawn."""
+    """A token's log-probability, its rank (1: the most likely) and the `k` most likely tokens' (most likely
+    first), under the model's own distribution: the log-softmax of its logits before temperature, top-k and
+    top-p (vLLM's default, "raw_logprobs"), so the numbers do not depend on how the token was drawn."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int = 1
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
-    """logits: (B, vocab) float32, one row per sampled token; ks: how many top tokens each row wants."""
+    """logits: (B, vocab) float32, one row per token (a sampled one, or the prompt's next); ks: how many top
+    tokens each row wants. A token past the LM head (an image placeholder) gets -inf, ranked last."""
     logp = torch.log_softmax(logits, dim=-1)
-    picked = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    width = logp.shape[1]
+    ids = torch.tensor(tokens, device=logp.device)
+    inside = ids < width
+    picked_t = logp.gather(1, torch.where(inside, ids, 0).unsqueeze(1)).squeeze(1)
+    picked_t = torch.where(inside, picked_t, float("-inf"))
+    # Its rank: 1 + the tokens strictly more likely (vLLM's), a tie ranked as its best.
+    ranks = ((logp > picked_t.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    picked = picked_t.tolist()
     k_max = max(ks)
     top_v, top_i = torch.topk(logp, k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [TokenLogprobs(t, lp, tuple(zip(top_i[r][:k], top_v[r][:k], strict=True)))
-            for r, (t, lp, k) in enumerate(zip(tokens, picked, ks, strict=True))]
+    return [TokenLogprobs(t, lp, tuple(zip(top_i[r][:k], top_v[r][:k], strict=True)), rank)
+            for r, (t, lp, k, rank) in enumerate(zip(tokens, picked, ks, ranks, strict=True))]

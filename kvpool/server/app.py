@@ -39,7 +39,7 @@ from kvpool.server.errors import (
     until_disconnected,
 )
 from kvpool.server.json_body import BodyError, parse_json_object
-from kvpool.server.logprobs import LogprobsWriter
+from kvpool.server.logprobs import LogprobsWriter, Prompt, prompt_logprobs_json
 from kvpool.server.media import MediaOptions, chat_with_images, image_parts
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import (
@@ -245,28 +245,46 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             return {"finish_reason": None, "stop_reason": None}
         return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
-    def logprobs_writer(params: SamplingParams, chat: bool) -> LogprobsWriter | None:
-        """A choice's, when the request asks for logprobs."""
-        return LogprobsWriter(engine.engine.token_texts, chat) if params.logprobs is not None else None
+    def logprobs_writer(params: SamplingParams, chat: bool, echo: bool = False) -> LogprobsWriter | None:
+        """A choice's, when the request asks for logprobs (`echo`: the prompt's first)."""
+        if params.logprobs is None:
+            return None
+        return LogprobsWriter(engine.engine.token_texts, chat, params.logprobs if echo else None)
 
-    def whole_logprobs(params: SamplingParams, choice: CompletionOutput, chat: bool) -> dict[str, Any] | None:
+    def whole_logprobs(params: SamplingParams, out: RequestOutput, choice: CompletionOutput, chat: bool,
+                       echo: bool = False) -> dict[str, Any] | None:
         """A finished choice's logprobs, all at once (a response that is not streamed)."""
-        w = logprobs_writer(params, chat)
-        return w.next(choice.logprobs) if w else None
+        w = logprobs_writer(params, chat, echo)
+        return w.next(choice.logprobs, prompt_of(out)) if w else None
+
+    def prompt_of(out: RequestOutput) -> Prompt | None:
+        return (out.prompt_token_ids, out.prompt_logprobs) if out.prompt_logprobs is not None else None
+
+    def prompt_logprobs(out: RequestOutput, k: int | None) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` field, when the request asks for it (else no field)."""
+        p = prompt_of(out)
+        if k is None or p is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_json(p, k, engine.engine.token_texts)}
 
     def sse(streams: Sequence[RequestStream],
             chunk: Callable[[str, CompletionOutput, bool, dict[str, Any] | None], dict[str, Any]],
             params: SamplingParams, options: StreamOptions | None, rid: str, obj: str, stamp: int,
             first: Sequence[dict[str, Any]] = (), first_prompt_tokens: int = 0,
-            model: str = model_name) -> StreamingResponse:
+            model: str = model_name, shape: Callable[[int, RequestOutput], RequestOutput] | None = None,
+            opening: Callable[[dict[str, Any], RequestOutput], None] | None = None,
+            echo: bool = False) -> StreamingResponse:
         """The streams' chunks: one choice each (n > 1 or a batch of prompts: the choices interleave, each
         by its index, as OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its
         finish_reason on its last chunk. `options.include_usage`: a last chunk with the usage (null in the
         others, as OpenAI's); with `continuous_usage_stats` too, each chunk carries its own choice's usage so
-        far, its prompt's tokens and the choice's (vLLM's; `first` chunks: `first_prompt_tokens` and none)."""
+        far, its prompt's tokens and the choice's (vLLM's; `first` chunks: `first_prompt_tokens` and none).
+        `shape(i, out)`: prompt i's output as the client sees it (echo); `opening(body, out)` adds to a
+        choice's first chunk (prompt_logprobs); `echo`: the logprobs start with the prompt's."""
         deltas = [_TextDeltas(params) for _ in range(len(streams) * params.n)]
         ended = [False] * len(deltas)
-        logprobs = [logprobs_writer(params, obj.startswith("chat")) for _ in deltas]
+        opened = [False] * len(deltas)
+        logprobs = [logprobs_writer(params, obj.startswith("chat"), echo) for _ in deltas]
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options is not None and options.continuous_usage_stats
         last: dict[int, RequestOutput] = {}
@@ -282,6 +300,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                 for body in first:
                     yield data(body, first_prompt_tokens)
                 async for i, out in merged(streams, params.n):
+                    if shape is not None:
+                        out = shape(i, out)
                     last[i] = out
                     for o in out.outputs:
                         if ended[o.index]:
@@ -291,8 +311,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                         if text or final:  # (with the logprobs of every token since the choice's last chunk)
                             ended[o.index] = final
                             w = logprobs[o.index]
-                            yield data(chunk(text, o, final, w.next(o.logprobs) if w else None),
-                                       len(out.prompt_token_ids), len(o.token_ids))
+                            body = chunk(text, o, final, w.next(o.logprobs, prompt_of(out)) if w else None)
+                            if opening is not None and not opened[o.index]:
+                                opened[o.index] = True
+                                opening(body, out)
+                            yield data(body, len(out.prompt_token_ids), len(o.token_ids))
                 if include_usage and last:
                     body = {"id": rid, "object": obj, "created": stamp, "model": model,
                             "choices": [], "usage": usage_json(list(last.values()))}
@@ -466,9 +489,16 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                                 f"flight (--max-pending {engine.max_pending}); send at most that many at once",
                            "prompt")
         streams: list[RequestStream] = []
+        echoed: list[str] = []  # each prompt's text, before its choices' texts (echo)
         try:
             for i, prompt in enumerate(prompts):  # (a batch: each prompt a request; all or none)
                 name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                if body.echo:
+                    try:
+                        echoed.append(prompt if isinstance(prompt, str) else
+                                      await asyncio.to_thread(engine.engine.decode, prompt))
+                    except ValueError as e:
+                        raise APIError.from_value_error(e, {"tokens": name}) from None
                 if isinstance(prompt, str) and not body.add_special_tokens:
                     try:
                         prompt = await asyncio.to_thread(engine.engine.encode, prompt, False)
@@ -481,6 +511,19 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                 stream.abort()
             raise
         rid, stamp = f"cmpl-{streams[0].request_id}", int(time.time())  # (one `created` for every chunk)
+        asked = body.prompt_logprobs  # (echo with logprobs computes them too, shown in `logprobs` only)
+
+        def shape(i: int, out: RequestOutput) -> RequestOutput:
+            """The prompt's text before each choice's; with max_tokens 0 the prompt alone (the token the
+            engine sampled to finish the prompt is dropped: the choice ends by its length, 0)."""
+            if not body.echo:
+                return out
+            if body.echo_only:
+                return replace(out, outputs=[
+                    replace(c, text=echoed[i], token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                            finish_reason="length" if c.finish_reason else None, stop_reason=None)
+                    for c in out.outputs])
+            return replace(out, outputs=[replace(c, text=echoed[i] + c.text) for c in out.outputs])
 
         def choice(text: str, out: CompletionOutput, final: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
             return {"index": out.index, "text": text, "logprobs": logprobs, **finish_fields(out, final)}
@@ -488,10 +531,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         if body.stream:
             return sse(streams, lambda t, o, f, lp: {"id": rid, "object": "text_completion", "created": stamp,
                                                      "model": served, "choices": [choice(t, o, f, lp)]},
-                       params, body.stream_options, rid, "text_completion", stamp, model=served)
-        outs = await finish(request, streams, params.n)
+                       params, body.stream_options, rid, "text_completion", stamp, model=served, shape=shape,
+                       opening=lambda b, out: b["choices"][0].update(prompt_logprobs(out, asked)), echo=body.echo)
+        outs = [shape(i, out) for i, out in enumerate(await finish(request, streams, params.n))]
         return JSONResponse({"id": rid, "object": "text_completion", "created": stamp, "model": served,
-                             "choices": [choice(o.text, o, True, whole_logprobs(params, o, chat=False))
+                             "choices": [{**choice(o.text, o, True, whole_logprobs(params, out, o, False, body.echo)),
+                                          **prompt_logprobs(out, asked)}
                                          for out in outs for o in out.outputs],
                              "usage": usage_json(outs)})
 
@@ -527,12 +572,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             # Each choice opens with the assistant's role, as vLLM's do.
             opening = [chunk("", None, False, None, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
             return sse([stream], chunk, params, body.stream_options, rid, "chat.completion.chunk", stamp,
-                       first=opening, first_prompt_tokens=len(ids), model=served)
+                       first=opening, first_prompt_tokens=len(ids), model=served,
+                       opening=lambda b, out: b.update(prompt_logprobs(out, body.prompt_logprobs)))
         [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                                          "logprobs": whole_logprobs(params, o, chat=True), **finish_fields(o, True)}
+                                          "logprobs": whole_logprobs(params, out, o, chat=True),
+                                          **finish_fields(o, True)}
                                          for o in out.outputs],
-                             "usage": usage_json([out])})
+                             "usage": usage_json([out]), **prompt_logprobs(out, body.prompt_logprobs)})
 
     return app

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (prompt logprobs, response_format, tools, guided decoding, vLLM's
+result (response_format, tools, guided decoding, vLLM's
 beam search / allowed or bad words / special-token and chat
 template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
 """
@@ -40,7 +40,6 @@ def _none_or_flag(default: bool) -> Callable[[Any], bool]:
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _none_or(1),
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "prompt_logprobs": _none_or(),
     "guided_json": _none_or(),
     "guided_regex": _none_or(),
     "guided_choice": _none_or(),
@@ -59,7 +58,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "skip_special_tokens": _none_or_flag(True),
     "spaces_between_special_tokens": _none_or_flag(True),
     "return_token_ids": _none_or_flag(False),
-    # ... and chat's (on /v1/completions `echo` is a field of its own, refused when true).
+    # ... and chat's (on /v1/completions `echo` is a field of its own).
     "echo": _none_or_flag(False),
     "add_generation_prompt": _none_or_flag(True),
     "add_special_tokens": _none_or_flag(False),  # (chat's: the template places the special tokens)
@@ -95,6 +94,8 @@ class _SamplingFields(BaseModel):
     min_p: float | None = None  # (likewise; else 0: off)
     min_tokens: int = 0  # vLLM's: no stop token or stop string before this many tokens
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) -> [-100, 100]
+    # vLLM's: each prompt token's log-probability and this many top tokens' (the response's prompt_logprobs)
+    prompt_logprobs: Any = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -144,7 +145,8 @@ class _SamplingFields(BaseModel):
             **sampling, max_tokens=self._max_tokens(), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed, ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs())
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs(),
+            prompt_logprobs=self._prompt_logprobs())
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -156,6 +158,12 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias: keys are token ids, got {k!r:.40}")
             out[int(k)] = v
         return out
+
+    def _prompt_logprobs(self) -> int | None:
+        v = self.prompt_logprobs
+        if v is not None and type(v) is not int:
+            raise ValueError(f"prompt_logprobs: must be an int in [0, {MAX_LOGPROBS}] (the top tokens), got {v!r:.40}")
+        return v  # (SamplingParams checks the range)
 
     def _logprobs(self) -> int | None:
         """SamplingParams.logprobs: a completion's `logprobs` is the count of top tokens (0: the sampled
@@ -178,6 +186,9 @@ class CompletionRequest(_SamplingFields):
     # A string or token ids, or a batch: a list of strings or of token-id lists.
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    # The prompt before each choice's text (and, with logprobs, its tokens' log-probabilities before the
+    # answer's: the first token's null, as OpenAI's and vLLM's). With max_tokens 0, the prompt alone: how
+    # evaluation harnesses (lm-eval's loglikelihood) score a text.
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True  # (vLLM's: false tokenizes a text prompt without the BOS token)
@@ -192,11 +203,26 @@ class CompletionRequest(_SamplingFields):
             if not one:
                 raise ValueError("prompt: must not be empty" if len(batch) == 1 else
                                  f"prompt[{i}]: must not be empty")
-        if self.echo:
-            raise ValueError("echo: not supported")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return batch  # type: ignore[return-value]
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt scored, nothing generated (the engine samples one token, dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be an int >= 1 (0 only with echo: the prompt alone), got 0")
+        return 1 if self.echo_only else self.max_tokens
+
+    def _prompt_logprobs(self) -> int | None:
+        """With echo and logprobs, the prompt's tokens get the answer's top count (and more if asked)."""
+        k = super()._prompt_logprobs()
+        if self.echo and self.logprobs is not None and self.logprobs is not False:
+            return max(self._logprobs() or 0, k or 0)
+        return k
 
 
 class ImageURL(BaseModel):

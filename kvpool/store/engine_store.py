@@ -143,7 +143,7 @@ class EngineStore:
 
     def hold(self, req: Any) -> bool:
         """Start reading the request's blocks past its local hit; True when it must wait for them."""
-        if not self.kv.enable_caching or not req.block_hashes:
+        if not self.kv.enable_caching or not req.block_hashes or req.skip_prefix_hit:
             return False
         max_blocks = (len(req.all_token_ids) - 1) // self.block_size
         hashes = req.block_hashes[:max_blocks]

@@ -105,6 +105,7 @@ SAMPLING = {
     "frequency_penalty": field(st.just(0), FLOATS),
     "presence_penalty": field(st.just(0.0), FLOATS),
     "logprobs": field(st.sampled_from([None, False, 0, True, 1, 5]), ANY),
+    "prompt_logprobs": field(st.sampled_from([None, 0, 2]), ANY),
     "top_logprobs": field(st.sampled_from([None, 0, 1]), INTS),
     "best_of": field(st.sampled_from([None, 1, 2]), INTS),
     "logit_bias": field(st.one_of(st.just({}), st.dictionaries(st.sampled_from(["5", "-1", "x", str(VOCAB)]),

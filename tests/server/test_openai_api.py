@@ -278,6 +278,98 @@ def test_logprobs_in_both_shapes_streaming_or_not(client: openai.OpenAI, offline
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == c.choices[0].message.content
 
 
+def offline_prompt_logprobs(engine, prompt: list[int], k: int):
+    engine.add_request(prompt, SamplingParams.greedy(1, prompt_logprobs=k))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("no output")
+
+
+def test_echo_scores_a_text_as_lm_eval_asks(server: ServerHandle, offline) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, or 0): the prompt's text and its tokens'
+    log-probabilities before the answer's, the first token's null; the engine's numbers."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    ids = offline.encode(prompt)
+    want = offline_prompt_logprobs(offline, ids, 1)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    c = r["choices"][0]
+    assert c["text"] == prompt + offline.decode(want.token_ids) and "prompt_logprobs" not in c
+    lp = c["logprobs"]
+    texts = offline.token_texts(ids + want.token_ids)
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx([t.logprob for t in want.prompt_logprobs[1:]], abs=1e-5)
+    assert [list(d) for d in lp["top_logprobs"][1:len(ids)]] == [
+        offline.token_texts([t.token_id, *(i for i, _ in t.top)]) if t.top[0][0] != t.token_id
+        else offline.token_texts([t.token_id]) for t in want.prompt_logprobs[1:]]
+    assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert r["usage"]["completion_tokens"] == 1 and r["usage"]["prompt_tokens"] == len(ids)
+    # max_tokens 0: the prompt alone, scored.
+    r0 = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0}, timeout=60).json()
+    c0 = r0["choices"][0]
+    assert c0["text"] == prompt and c0["finish_reason"] == "length" and r0["usage"]["completion_tokens"] == 0
+    assert c0["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
+    assert c0["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
+    # Streamed: the same text and tokens, the prompt's in the first chunk.
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "max_tokens": 4, "stream": True},
+                      timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"].startswith(prompt)
+    full = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 4}, timeout=60).json()["choices"][0]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == full["text"]
+    assert [t for ch in chunks for t in ch["choices"][0]["logprobs"]["tokens"]] == full["logprobs"]["tokens"]
+    # Echo without logprobs, a batch: each prompt before its own choice.
+    rb = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": [ids, ids[:4]], "echo": True,
+                                                          "max_tokens": 2, "temperature": 0}, timeout=60).json()
+    assert [ch["text"] for ch in rb["choices"]] == [offline.decode(p) + offline_text(offline, p, 2)[0]
+                                                    for p in (ids, ids[:4])]
+    assert rb["choices"][0]["logprobs"] is None and rb["usage"]["completion_tokens"] == 4
+    bad = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False, "max_tokens": 0}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert "0 only with echo" in bad.json()["error"]["message"]
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server: ServerHandle, offline) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token, null first, then {id: {logprob, rank, decoded_token}} with the
+    prompt's token and the top k; in the choice on /v1/completions, at the top on chat, streamed in the first
+    chunk."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    ids = offline.encode(prompt)
+    want = offline_prompt_logprobs(offline, ids, 2)
+
+    def expected(lps) -> list:
+        out = [None]
+        for t in lps[1:]:
+            e = {str(t.token_id): {"logprob": pytest.approx(t.logprob, abs=1e-5), "rank": t.rank,
+                                   "decoded_token": offline.token_texts([t.token_id])[0]}}
+            for r, (i, v) in enumerate(t.top, start=1):
+                e.setdefault(str(i), {"logprob": pytest.approx(v, abs=1e-5), "rank": r,
+                                      "decoded_token": offline.token_texts([i])[0]})
+            out.append(e)
+        return out
+
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2}
+    c = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert c["prompt_logprobs"] == expected(want.prompt_logprobs) and c["logprobs"] is None
+    assert any(len(e) == 3 for e in c["prompt_logprobs"][1:])  # (a prompt token outside its top 2)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == c["prompt_logprobs"]
+    assert all("prompt_logprobs" not in ch["choices"][0] for ch in chunks[1:])
+
+    messages = [{"role": "user", "content": prompt}]
+    chat_want = offline_prompt_logprobs(offline, offline.apply_chat_template(messages), 1)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2,
+                                                               "prompt_logprobs": 1}, timeout=60).json()
+    assert r["prompt_logprobs"] == expected(chat_want.prompt_logprobs)
+    for bad in (-1, 21, "2", True):
+        e = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt_logprobs": bad}, timeout=60)
+        assert e.status_code == 400 and e.json()["error"]["param"] == "prompt_logprobs", bad
+
+
 def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: ServerHandle) -> None:
     """Content given as several text parts is the parts joined by a line break (vLLM's prompt, so its
     cached blocks too), not run together."""

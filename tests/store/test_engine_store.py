@@ -396,3 +396,27 @@ def test_the_store_refuses_a_deadline_that_would_never_fire(deadline: float, tmp
     kv = SimpleNamespace(host=object())  # (the deadline is checked before the tiers are looked at)
     with pytest.raises(ValueError, match=r"^kv_store_deadline: must be > 0 seconds, got "):
         EngineStore(f"file://{tmp_path}", kv, [object()], tmp_path, 16, deadline_s=deadline)  # type: ignore[arg-type]
+
+
+def test_a_request_asking_for_prompt_logprobs_is_not_held_for_reads_it_cannot_use(
+        tiny_llama_dir: Path, tmp_path: Path, expected: list[list[int]]) -> None:
+    """Its prompt is computed whole (a cached block holds no logits): waiting for the store's copy of its
+    blocks would only delay it. A request without them, behind it, still reads them."""
+    url = f"file://{tmp_path}"
+    first = make(tiny_llama_dir, url)
+    run(first, prompts())
+    first.engine.store.close()
+    second = make(tiny_llama_dir, url)
+    eng = second.engine
+    scored = eng.add_request(prompts()[0], SamplingParams.greedy(N_NEW, prompt_logprobs=0))
+    assert not eng.store.is_held(scored.request_id)
+    plain = eng.add_request(prompts()[1], SamplingParams.greedy(N_NEW))
+    assert eng.store.is_held(plain.request_id)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [outs[r.request_id].token_ids for r in (scored, plain)] == expected[:2]
+    assert outs[scored.request_id].num_cached_tokens == 0 and outs[plain.request_id].num_cached_tokens == 60
+    assert len(outs[scored.request_id].prompt_logprobs) == 61
+    eng.kv.check_integrity()
+    eng.store.close()
