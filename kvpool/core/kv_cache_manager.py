@@ -172,11 +172,16 @@ class KVCacheManager:
         With a host tier the lookup continues there where the device has no copy; every group must
         accept the hit, wherever its blocks are (a host hit is never a hit one group cannot serve).
         """
-        if not self.enable_caching or request.skip_prefix_hit:
+        if not self.enable_caching:
             return self._empty_blocks(), 0
         num_tokens = len(request.all_token_ids)
         # The last token is always recomputed: its logits are needed to sample.
         max_blocks = (num_tokens - 1) // self.block_size
+        limit = request.max_hit_blocks
+        if limit is not None:
+            if limit <= 0:
+                return self._empty_blocks(), 0
+            max_blocks = min(max_blocks, limit)
         if self.num_groups == 1:
             # With a host tier, the lookup goes on there where the device has no copy.
             hit = self.managers[0].find_longest_cache_hit(request.block_hashes, max_blocks)

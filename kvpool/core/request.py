@@ -94,10 +94,11 @@ class CacheRequest:
             hasher.extend(self, buf)
 
     @property
-    def skip_prefix_hit(self) -> bool:
-        """Whether it must compute its whole prompt (no prefix hit): a request that needs every prompt
-        position's output (its prompt's log-probabilities) until it has them. Its blocks are still cached."""
-        return False
+    def max_hit_blocks(self) -> int | None:
+        """The most blocks its prefix hit may take (None: no limit): fewer for a request that needs prompt
+        positions' outputs the KV cache does not hold (its prompt's log-probabilities). Its blocks are
+        cached all the same."""
+        return None
 
     @property
     def num_tokens(self) -> int:

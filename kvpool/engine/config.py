@@ -46,7 +46,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", 
 # The tiers below the device pool, and what acts on cached blocks: an engine built without the one (a bench's
 # baseline system, with no host tier or no caching) is built without these options, which it would refuse.
 HOST_TIER_OPTIONS = ("swap_space", "num_host_blocks", "kv_store", "write_through", "host_eviction")
-CACHING_OPTIONS = (*HOST_TIER_OPTIONS, "eviction_policy", "hash_seed", "pin_budget")
+CACHING_OPTIONS = (*HOST_TIER_OPTIONS, "eviction_policy", "hash_seed", "pin_budget", "prompt_rows_cache")
 
 
 def without(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -108,7 +108,11 @@ class CacheConfig:
     hybrid_allocator: bool = option(True, "keep every layer's blocks as full attention does (the uniform "
                                     "allocator, to compare)", flag="--no-hybrid-allocator")
     encoder_cache_size: int | str = "256MiB"
-
+    # Prompt positions' last hidden states by block hash (kvpool.runner.prompt_rows), written by requests that
+    # ask for prompt_logprobs, so that the next such request over the same prefix takes a prefix hit.
+    prompt_rows_cache: int | str = option("64MiB", "host memory for the last hidden states of prompts scored with "
+                                          "prompt_logprobs, so that later ones over the same prefix hit the cache "
+                                          "(0: such a request computes its prompt whole, as vLLM's)", type=str)
 
 @dataclass
 class SchedulerConfig:
@@ -271,6 +275,7 @@ class EngineConfig:
             raise ValueError(f"host_eviction: {self.host_eviction!r} orders the host tier, and there is none (set "
                              f"swap_space)")
         parse_size(self.encoder_cache_size, "encoder_cache_size")
+        self.prompt_rows_bytes()
         count("state_retention_budget", 0)
         layers = self.stage_output_layers
         if not isinstance(layers, tuple | list) or any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
@@ -319,6 +324,10 @@ class EngineConfig:
             return 0
         # Any zero disables the tier ("0", 0.0, "0GiB"), as the flag's help says.
         return parse_size(self.swap_space, "swap_space", zero_ok=True)
+
+    def prompt_rows_bytes(self) -> int:
+        """The prompt-row cache's bytes (0: none)."""
+        return parse_size(self.prompt_rows_cache, "prompt_rows_cache", zero_ok=True)
 
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)

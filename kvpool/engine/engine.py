@@ -130,7 +130,8 @@ class LLMEngine:
                                   num_blocks=config.num_blocks, hybrid=config.hybrid_allocator,
                                   stage_outputs=config.stage_outputs, stage_output_layers=config.stage_output_layers,
                                   stage_output_cache=config.enable_prefix_caching,
-                                  batch_invariant=config.batch_invariant, native_kernels=config.native_kernels)
+                                  batch_invariant=config.batch_invariant, native_kernels=config.native_kernels,
+                                  prompt_rows_bytes=config.prompt_rows_bytes() if config.enable_prefix_caching else 0)
         # LoRA adapters (kvpool.runner.lora): None when off
         self.loras = (LoRARegistry(self.runner.enable_lora(config.max_loras, config.max_lora_rank,
                                                            config.max_cpu_loras))
@@ -554,6 +555,8 @@ class LLMEngine:
                         num_encoder_tokens=prepared.num_encoder_tokens if prepared is not None else 0)
             r.mm_inputs = prepared
             r.lora_name = lora_name
+            if sp.prompt_logprobs is not None:
+                r.prompt_rows = self.runner.prompt_rows
             return r
 
         req = build(rid, params)
@@ -719,6 +722,8 @@ class LLMEngine:
             self.kv.end_schedule_step()
         if not self.kv.reset_prefix_cache():
             raise RuntimeError("the engine's cache could not be reset; create a new engine")
+        if self.runner.prompt_rows is not None:  # (after new weights, the rows are the old model's)
+            self.runner.prompt_rows.clear()
         return saved
 
     def _pin_again(self, saved: Sequence[Pin]) -> None:
@@ -800,9 +805,9 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(out, sampled)
         if self.runner.last_prompt_logprobs:
             for s in out.scheduled:
-                rows = self.runner.last_prompt_logprobs.get(s.request.request_id)
-                if rows is not None:
-                    s.request.add_prompt_logprobs(s.start_pos, rows)
+                scored = self.runner.last_prompt_logprobs.get(s.request.request_id)
+                if scored is not None:
+                    s.request.add_prompt_logprobs(*scored)
         if self.runner.last_logprobs:
             for req in progressed:
                 if req.logprobs is not None:
@@ -853,7 +858,7 @@ class LLMEngine:
                                       list(req.logprobs) if req.logprobs is not None else None)],
             finished=finished, num_cached_tokens=req.metrics.num_cached_tokens, metrics=req.metrics,
             # (complete before the first token; never changed after: the list itself, not a copy)
-            prompt_logprobs=req.prompt_logprobs if not req.skip_prefix_hit else None,
+            prompt_logprobs=req.prompt_logprobs if not req.scoring_prompt else None,
             stage_outputs=self.stage_outputs.take(req.request_id) if finished and self.stage_outputs else None)
 
     def _forget(self, request_id: str) -> None:

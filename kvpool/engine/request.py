@@ -11,6 +11,7 @@ from typing import Any
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.runner.prompt_rows import PromptLogprobsStep, PromptRowCache
 from kvpool.runner.sampler import TokenLogprobs
 
 
@@ -92,28 +93,54 @@ class Request(CacheRequest):
         # it), then filled as its rows are computed.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
+        # The engine's prompt-row cache, for such a request (None: no prefix hit until it has them all).
+        self.prompt_rows: PromptRowCache | None = None
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)
 
     @property
-    def skip_prefix_hit(self) -> bool:
-        """A cached block holds the keys and values of its tokens, not their logits: a request computes
-        its prompt whole until it has every prompt token's log-probability (vLLM's rule). A preempted one
-        that has them resumes from the cache like any other."""
+    def scoring_prompt(self) -> bool:
+        """Whether it still needs some of its prompt's log-probabilities."""
         p = self.prompt_logprobs
         return p is not None and len(p) < self.num_prompt_tokens
 
-    def prompt_logprobs_step(self, start: int, end: int) -> tuple[int, list[int]] | None:
-        """What the runner computes for the prompt's log-probabilities when it computes positions [start,
-        end): their top count and each row's next prompt token (SeqStep.prompt_logprobs); None when it
-        has them all. (A request preempted mid-prompt computes rows again: `add_prompt_logprobs` keeps the
-        first.)"""
-        p = self.prompt_logprobs
-        if p is None or len(p) >= self.num_prompt_tokens or start >= self.num_prompt_tokens - 1:
+    @property
+    def max_hit_blocks(self) -> int | None:
+        """A cached block holds keys and values, not logits: while it needs its prompt's log-probabilities, a
+        request hits only the blocks whose last hidden states the prompt-row cache holds (none without one:
+        it computes its prompt whole, as vLLM's). Once it has them (a preempted request resuming), any."""
+        if not self.scoring_prompt:
             return None
-        k = self.sampling_params.prompt_logprobs
-        return k, self.all_token_ids[start + 1:min(end, self.num_prompt_tokens - 1) + 1]  # type: ignore[return-value]
+        rows = self.prompt_rows
+        if rows is None:
+            return 0
+        return rows.complete_prefix(self.block_hashes[:self.num_prompt_tokens // rows.block_size])
+
+    def prompt_logprobs_step(self, start: int, end: int) -> PromptLogprobsStep | None:
+        """What the runner does for its prompt's log-probabilities when it computes positions [start, end)
+        (PromptLogprobsStep); None when it needs none. Rows it lacks before `start` (a prefix hit) come from
+        the prompt-row cache; rows it has already (a request preempted mid-prompt computes them again) are
+        scored again and `add_prompt_logprobs` keeps the first."""
+        if not self.scoring_prompt:
+            return None
+        p = self.prompt_logprobs
+        assert p is not None
+        n_prompt = self.num_prompt_tokens
+        first = min(start, len(p) - 1)  # (the first row not scored yet, or this step's first)
+        read: list[bytes] = []
+        if first < start:
+            bs = self.prompt_rows.block_size if self.prompt_rows is not None else 0
+            if not bs or start % bs:
+                raise RuntimeError(f"{self.request_id}: positions before {start} are neither scored nor cached")
+            first -= first % bs
+            read = self.block_hashes[first // bs:start // bs]
+        write: list[tuple[bytes, int]] = []
+        if self.prompt_rows is not None:
+            bs = self.prompt_rows.block_size
+            write = [(self.block_hashes[i], i * bs) for i in range(start // bs, min(-(-end // bs), n_prompt // bs))]
+        targets = self.all_token_ids[first + 1:min(end, n_prompt - 1) + 1] if first < n_prompt - 1 else []
+        return PromptLogprobsStep(self.sampling_params.prompt_logprobs, first, targets, read, write)  # type: ignore[arg-type]
 
     def add_prompt_logprobs(self, start: int, rows: Sequence[TokenLogprobs]) -> None:
         """Rows computed from position `start` on: entry start + 1 + j is row j's."""

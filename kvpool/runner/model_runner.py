@@ -41,6 +41,7 @@ from kvpool.runner.models.llama import LlamaForCausalLM, Rotary, can_pack
 from kvpool.runner.models.mllama import CrossAttentionMetadata, CrossStep, plan_cross_attention
 from kvpool.runner.models.registry import resolve_model_class
 from kvpool.runner.multimodal import InputProcessor, MultiModalProcessor
+from kvpool.runner.prompt_rows import PromptLogprobsStep, PromptRowCache
 from kvpool.runner.sampler import (
     History,
     SamplingLike,
@@ -94,9 +95,9 @@ class SeqStep:
     logprobs: int | None = None  # the sampled token's log-probability and this many top ones' (None: none)
     history: History | None = None  # a penalized sequence's tokens so far, and its prompt's length (sampler)
     banned: Sequence[int] | None = None  # tokens it must not draw now (its stop tokens, before min_tokens)
-    # Prompt log-probabilities (SamplingParams.prompt_logprobs): (k, targets), targets[j] being the prompt token
-    # that follows row j of token_ids (one per row but the prompt's last, whose logits sample instead).
-    prompt_logprobs: tuple[int, list[int]] | None = None
+    # Prompt log-probabilities (SamplingParams.prompt_logprobs): which rows to score, from the forward or the
+    # prompt-row cache, and which rows to keep there (kvpool.runner.prompt_rows).
+    prompt_logprobs: PromptLogprobsStep | None = None
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
@@ -175,7 +176,8 @@ class ModelRunner:
                  kv_cache_memory: int = 1 << 30, device: str | None = None, num_blocks: int | None = None,
                  enable_cascade: bool | None = None, hybrid: bool = True, stage_outputs: bool = False,
                  stage_output_layers: Sequence[int] = (), stage_output_cache: bool = False,
-                 batch_invariant: bool = False, native_kernels: bool = True) -> None:
+                 batch_invariant: bool = False, native_kernels: bool = True,
+                 prompt_rows_bytes: int = 64 << 20) -> None:
         self.batch_invariant = batch_invariant  # see kvpool.runner.invariant
         self.device = _device(device) if device else default_device()
         # Cascades (None: on the CPU only) read a shared prefix's keys once per group instead of once per
@@ -338,8 +340,10 @@ class ModelRunner:
         self.last_outputs: dict[str, dict[str, torch.Tensor]] = {}
         # The last step's log-probabilities, by request, for the sequences that asked for them (SeqStep.logprobs).
         self.last_logprobs: dict[str, TokenLogprobs] = {}
-        # ... and the prompt tokens' whose rows the last step computed (SeqStep.prompt_logprobs), in order.
-        self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        # ... and the prompt tokens' the last step scored (SeqStep.prompt_logprobs): (first row, rows in order).
+        self.last_prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        # Prompt positions' last hidden states by block hash, so a request scoring its prompt can take a hit.
+        self.prompt_rows = PromptRowCache(prompt_rows_bytes, block_size) if prompt_rows_bytes else None
         self.lora: LoRAManager | None = None  # set by enable_lora
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
@@ -625,17 +629,32 @@ class ModelRunner:
     PROMPT_LOGPROBS_ROWS = 256
 
     def _prompt_logprobs(self, steps: list[SeqStep], hidden: torch.Tensor) -> None:
+        # Every read before any write: a write may evict rows another request of this step reads.
+        todo = []
         t = 0
         for s in steps:
-            if s.prompt_logprobs is not None and s.prompt_logprobs[1]:
-                k, targets = s.prompt_logprobs
+            n = len(s.token_ids)
+            p = s.prompt_logprobs
+            if p is not None:
+                rows = hidden[t:t + n]
+                if p.read:
+                    assert self.prompt_rows is not None
+                    rows = torch.cat([self.prompt_rows.read(p.read).to(hidden.device, hidden.dtype), rows])
+                todo.append((s, p, t, rows))
+            t += n
+        for s, p, t, rows in todo:
+            if p.targets:
                 out: list[TokenLogprobs] = []
-                for a in range(0, len(targets), self.PROMPT_LOGPROBS_ROWS):
-                    b = min(a + self.PROMPT_LOGPROBS_ROWS, len(targets))
-                    logits = self.model.compute_logits(hidden[t + a:t + b])
-                    out += token_logprobs(logits, targets[a:b], [k] * (b - a))
-                self.last_prompt_logprobs[s.req_id] = out
-            t += len(s.token_ids)
+                for a in range(0, len(p.targets), self.PROMPT_LOGPROBS_ROWS):
+                    b = min(a + self.PROMPT_LOGPROBS_ROWS, len(p.targets))
+                    logits = self.model.compute_logits(rows[a:b])
+                    out += token_logprobs(logits, p.targets[a:b], [p.k] * (b - a))
+                self.last_prompt_logprobs[s.req_id] = (p.first, out)
+            if p.write and self.prompt_rows is not None:
+                bs, start, end = self.prompt_rows.block_size, s.start_pos, s.start_pos + len(s.token_ids)
+                for h, pos in p.write:
+                    a, b = max(pos, start), min(pos + bs, end)
+                    self.prompt_rows.write(h, a - pos, hidden[t + a - start:t + b - start])
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:

@@ -143,9 +143,11 @@ class EngineStore:
 
     def hold(self, req: Any) -> bool:
         """Start reading the request's blocks past its local hit; True when it must wait for them."""
-        if not self.kv.enable_caching or not req.block_hashes or req.skip_prefix_hit:
+        if not self.kv.enable_caching or not req.block_hashes:
             return False
-        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        max_blocks = self._hit_blocks(req)
+        if max_blocks <= 0:
+            return False
         hashes = req.block_hashes[:max_blocks]
         if self.hybrid:
             return self._hold_hybrid(req, hashes)
@@ -155,6 +157,12 @@ class EngineStore:
             return False
         self._held[req.request_id] = req
         return True
+
+    def _hit_blocks(self, req: Any) -> int:
+        """The most blocks the scheduler's lookup takes of the request (its last token is always computed, and
+        a request may limit its hit: `max_hit_blocks`)."""
+        n = (len(req.all_token_ids) - 1) // self.block_size
+        return n if req.max_hit_blocks is None else min(n, req.max_hit_blocks)
 
     def read_plan(self, hashes: Sequence[bytes]) -> ReadPlan:
         """What the local tiers hold of the prompt's blocks in every group, and the hit they give: the
@@ -228,10 +236,9 @@ class EngineStore:
             if not self.tier.ready(rid):
                 continue
             deadline = self._again.pop(rid, None)
-            if deadline is not None and self.tier.clock() < deadline:
-                max_blocks = (len(req.all_token_ids) - 1) // self.block_size
-                if self._hold_hybrid(req, req.block_hashes[:max_blocks], deadline):
-                    continue  # its own read of what the others' did not land
+            if deadline is not None and self.tier.clock() < deadline and self._hold_hybrid(
+                    req, req.block_hashes[:self._hit_blocks(req)], deadline):
+                continue  # its own read of what the others' did not land
             ready.append(rid)
         return [self._held.pop(rid) for rid in ready]
 

@@ -2,9 +2,10 @@
 
 Every prompt token but the first gets its log-probability, its rank and the k most likely tokens' at its
 position, equal to transformers' fp32 forward over the prompt. A cached block holds keys and values, not
-logits: the request computes its prompt whole (no prefix hit) and still caches its blocks for the next
-request; chunked prefill, n > 1 (child 0 computes them, the others share its blocks) and hybrid models give
-the same numbers.
+logits: the request hits only the blocks whose last hidden states the prompt-row cache holds (written by
+earlier requests that scored the same prefix), and computes the rest; with no row cache it computes its
+prompt whole, as vLLM's. Its blocks are cached for the next request either way. Chunked prefill, n > 1
+(child 0 computes them, the others share its blocks) and hybrid models give the same numbers.
 """
 
 from __future__ import annotations
@@ -54,21 +55,47 @@ def ref(tiny_llama_dir: Path) -> torch.Tensor:
     return reference(tiny_llama_dir, PROMPT)
 
 
-def test_prompt_logprobs_are_transformers_and_skip_the_hit_but_cache_the_blocks(tiny_llama_dir: Path, ref) -> None:
+def entries(lps) -> list:
+    return [None if t is None else (t.token_id, t.logprob, t.rank) for t in lps or []]
+
+
+def test_prompt_logprobs_are_transformers_and_hit_what_the_row_cache_holds(tiny_llama_dir: Path, ref) -> None:
     llm = tiny(tiny_llama_dir)
+    plain = llm.generate([PROMPT], SamplingParams.greedy(3), use_tqdm=False)[0]
+    # Its KV blocks are cached, but not their rows: no hit.
     out = llm.generate([PROMPT], SamplingParams.greedy(3, prompt_logprobs=4), use_tqdm=False)[0]
     check(out.prompt_logprobs, ref, 4)
-    assert out.num_cached_tokens == 0
-    # Its blocks were cached: a request without prompt logprobs hits them, with the same tokens.
-    plain = llm.generate([PROMPT], SamplingParams.greedy(3), use_tqdm=False)[0]
-    assert plain.num_cached_tokens == 24 and plain.token_ids == out.token_ids and plain.prompt_logprobs is None
-    # Cached now, asked again: no hit (the logits are not in the cache), the same numbers.
+    assert out.num_cached_tokens == 0 and out.token_ids == plain.token_ids and plain.prompt_logprobs is None
+    rows = llm.engine.runner.prompt_rows
+    assert rows is not None and len(rows) == 6 and rows.rows_written == 24  # the 6 full blocks' rows
+    # Asked again: a hit on the 6 blocks, their rows scored from the cache, the same numbers.
     again = llm.generate([PROMPT], SamplingParams.greedy(3, prompt_logprobs=0), use_tqdm=False)[0]
-    assert again.num_cached_tokens == 0 and again.token_ids == out.token_ids
-    assert [None if t is None else (t.token_id, t.logprob, t.rank) for t in again.prompt_logprobs or []] == [
-        None if t is None else (t.token_id, t.logprob, t.rank) for t in out.prompt_logprobs or []]
+    assert again.num_cached_tokens == 24 and again.token_ids == out.token_ids and rows.rows_read == 24
+    assert entries(again.prompt_logprobs) == entries(out.prompt_logprobs)
     assert all(t is None or t.top == () for t in again.prompt_logprobs or [])
+    # A prompt that branches off after 3 blocks hits those 3 (their rows are the same prefix's).
+    branch = [*PROMPT[:12], 40, 41, 42, 43, 44, 45]
+    b = llm.generate([branch], SamplingParams.greedy(2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert b.num_cached_tokens == 12
+    check_prefix = entries(b.prompt_logprobs)[:12]
+    assert check_prefix == entries(out.prompt_logprobs)[:12]
+    want = reference(tiny_llama_dir, branch)
+    assert [t.logprob for t in b.prompt_logprobs[12:]] == pytest.approx(  # type: ignore[index, union-attr]
+        [want[i - 1, branch[i]].item() for i in range(12, len(branch))], abs=1e-4)
     llm.engine.kv.check_integrity()
+    # reset_prefix_cache forgets the rows with the blocks (after new weights, they would be the old model's).
+    assert llm.engine.reset_prefix_cache() and len(rows) == 0
+
+
+def test_without_a_row_cache_the_prompt_is_computed_whole_as_vllm(tiny_llama_dir: Path, ref) -> None:
+    llm = tiny(tiny_llama_dir, prompt_rows_cache=0)
+    assert llm.engine.runner.prompt_rows is None
+    first = llm.generate([PROMPT], SamplingParams.greedy(3, prompt_logprobs=2), use_tqdm=False)[0]
+    again = llm.generate([PROMPT], SamplingParams.greedy(3, prompt_logprobs=2), use_tqdm=False)[0]
+    assert first.num_cached_tokens == again.num_cached_tokens == 0
+    check(again.prompt_logprobs, ref, 2)
+    # Its blocks were cached all the same: a plain request hits them.
+    assert llm.generate([PROMPT], SamplingParams.greedy(3), use_tqdm=False)[0].num_cached_tokens == 24
 
 
 def test_chunked_prefill_gives_every_row_once(tiny_llama_dir: Path, ref) -> None:
@@ -95,10 +122,9 @@ def test_a_one_token_prompt_has_nothing_to_score(tiny_llama_dir: Path) -> None:
 def test_recomputed_rows_are_kept_once() -> None:
     """A request preempted mid-prompt computes its rows again from position 0: the first ones stay."""
     req = Request("r", PROMPT, SamplingParams.greedy(2, prompt_logprobs=0))
-    assert req.skip_prefix_hit
-    assert req.prompt_logprobs_step(0, 8) == (0, PROMPT[1:9])
-    assert req.prompt_logprobs_step(24, 26) == (0, PROMPT[25:26])  # (the last row samples instead)
-    assert req.prompt_logprobs_step(25, 26) is None
+    assert req.max_hit_blocks == 0  # (no row cache: no hit)
+    step = req.prompt_logprobs_step(0, 8)
+    assert step is not None and (step.first, step.targets, step.read, step.write) == (0, PROMPT[1:9], [], [])
     rows = [TokenLogprobs(t, -1.0, ()) for t in PROMPT[1:9]]
     req.add_prompt_logprobs(0, rows)
     req.add_prompt_logprobs(0, [TokenLogprobs(t, -2.0, ()) for t in PROMPT[1:5]])  # again, after preemption
@@ -106,8 +132,24 @@ def test_recomputed_rows_are_kept_once() -> None:
     assert [t.logprob for t in req.prompt_logprobs[1:]] == [-1.0] * 8 + [-3.0] * 4  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="skip entries"):
         req.add_prompt_logprobs(20, rows)
+    with pytest.raises(RuntimeError, match="neither scored nor cached"):
+        req.prompt_logprobs_step(16, 20)  # (a hit past what it scored, with no row cache)
     req.add_prompt_logprobs(12, [TokenLogprobs(t, 0.0, ()) for t in PROMPT[13:26]])
-    assert not req.skip_prefix_hit and req.prompt_logprobs_step(0, 8) is None  # (complete: a resume hits)
+    assert req.max_hit_blocks is None and req.prompt_logprobs_step(0, 8) is None  # (complete: a resume hits)
+
+
+def test_the_steps_read_and_write_rows_by_block(tiny_llama_dir: Path) -> None:
+    """With a row cache: a hit of 2 blocks reads their rows and scores from position 0; the computed chunk
+    writes the full prompt blocks it touches (the partial last one has no hash: never)."""
+    llm = tiny(tiny_llama_dir)
+    req = llm.engine.make_request(PROMPT, SamplingParams.greedy(1, prompt_logprobs=0))
+    assert req.prompt_rows is llm.engine.runner.prompt_rows
+    step = req.prompt_logprobs_step(8, 26)
+    assert step is not None and step.first == 0 and step.targets == PROMPT[1:26]  # (the last row samples)
+    assert step.read == req.block_hashes[:2]
+    assert step.write == [(req.block_hashes[i], 4 * i) for i in range(2, 6)]
+    mid = req.prompt_logprobs_step(0, 10)
+    assert mid is not None and [p for _, p in mid.write] == [0, 4, 8] and mid.read == []
 
 
 def test_hybrid_model_prompt_logprobs_are_transformers(tmp_path: Path) -> None:
@@ -116,9 +158,42 @@ def test_hybrid_model_prompt_logprobs_are_transformers(tmp_path: Path) -> None:
     llm = tiny(model, max_num_batched_tokens=8)
     out = llm.generate([PROMPT], SamplingParams.greedy(2, prompt_logprobs=3), use_tqdm=False)[0]
     check(out.prompt_logprobs, want, 3)
+    again = llm.generate([PROMPT], SamplingParams.greedy(2, prompt_logprobs=3), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 24 and again.token_ids == out.token_ids  # (every group serves the hit)
+    check(again.prompt_logprobs, want, 3)
 
 
 @pytest.mark.parametrize("value", [-1, 21, True, 2.0, "3"])
 def test_bad_prompt_logprobs_name_the_field(value: object) -> None:
     with pytest.raises(ValueError, match=r"^prompt_logprobs: must be an int in \[0, 20\]"):
         SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shared_contexts_under_pressure_score_as_a_cold_engine(tiny_llama_dir: Path, seed: int) -> None:
+    """lm-eval's shape: several continuations over a few shared contexts, all in flight together, with a
+    small KV pool (preemption), a small step budget (chunks) and a row cache that holds a few blocks
+    (evictions mid-run): every prompt's log-probabilities and tokens are a cold engine's, one at a time."""
+    import random
+
+    rng = random.Random(seed)
+    contexts = [[rng.randrange(5, 250) for _ in range(rng.randrange(9, 30))] for _ in range(3)]
+    prompts = [c + [rng.randrange(5, 250) for _ in range(rng.randrange(1, 6))] for c in contexts for _ in range(3)]
+    rng.shuffle(prompts)
+    params = [SamplingParams.greedy(rng.randrange(1, 4), prompt_logprobs=rng.randrange(0, 3)) for _ in prompts]
+    cold = tiny(tiny_llama_dir, enable_prefix_caching=False)
+    want = [cold.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params, strict=True)]
+    hot = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=12, block_size=4,
+              max_num_batched_tokens=12, prompt_rows_cache=8 * 4 * 64 * 4)  # (8 blocks of rows, hidden 64)
+    got = hot.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert [None if t is None else (t.token_id, t.rank, t.top and [i for i, _ in t.top]) for t in g.prompt_logprobs
+                ] == [None if t is None else (t.token_id, t.rank, t.top and [i for i, _ in t.top])
+                      for t in w.prompt_logprobs]
+        assert [t.logprob for t in g.prompt_logprobs[1:]] == pytest.approx([t.logprob for t in w.prompt_logprobs[1:]],
+                                                                           abs=1e-5)
+    rows = hot.engine.runner.prompt_rows
+    assert sum(o.num_cached_tokens for o in got) > 0 and rows.rows_read > 0
+    assert rows.rows_written > 8 * 4 and hot.engine.scheduler.stats.num_preemptions > 0  # (evictions, preemptions)
+    hot.engine.kv.check_integrity()

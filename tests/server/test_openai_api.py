@@ -290,7 +290,7 @@ def offline_prompt_logprobs(engine, prompt: list[int], k: int):
 def test_echo_scores_a_text_as_lm_eval_asks(server: ServerHandle, offline) -> None:
     """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, or 0): the prompt's text and its tokens'
     log-probabilities before the answer's, the first token's null; the engine's numbers."""
-    prompt = "The quick brown fox jumps over the lazy dog because"
+    prompt = "The quick brown fox jumps over the lazy dog because " * 4  # (over two blocks of 16)
     ids = offline.encode(prompt)
     want = offline_prompt_logprobs(offline, ids, 1)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
@@ -311,6 +311,8 @@ def test_echo_scores_a_text_as_lm_eval_asks(server: ServerHandle, offline) -> No
     r0 = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0}, timeout=60).json()
     c0 = r0["choices"][0]
     assert c0["text"] == prompt and c0["finish_reason"] == "length" and r0["usage"]["completion_tokens"] == 0
+    # (scored before: its blocks' rows are cached, so the second scoring hits its full blocks)
+    assert r0["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // BLOCK * BLOCK > 0
     assert c0["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
     assert c0["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
     # Streamed: the same text and tokens, the prompt's in the first chunk.

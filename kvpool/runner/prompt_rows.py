@@ -1,0 +1,111 @@
+"""Prompt rows: the last hidden states of prompt blocks, by block hash, so that prompt log-probabilities
+survive a prefix hit.
+
+A cached KV block holds its tokens' keys and values, not their logits, so a request asking for its prompt's
+log-probabilities (`SamplingParams.prompt_logprobs`) cannot take a plain prefix hit: vLLM computes such a
+request's prompt whole. Evaluation harnesses send exactly these requests, many over one shared context (a
+few-shot prompt before each of a question's choices), so kvpool keeps what the logits are made of: the
+final hidden state of every prompt position such a request computes, a block's rows under the block's
+hash. A later request's hit is limited to the blocks whose rows are here (`complete_prefix`), and the
+runner scores the hit positions from their rows with the LM head alone (a fraction of the forward).
+
+Keyed by the chained block hash, a block's rows are exactly its content's wherever its KV comes from (the
+device, the host tier, a store written by another replica), and they need no care when a KV block is
+evicted or moved. Rows are written as chunks compute them (a block may take two chunks: an entry is
+complete, and usable, once every row is in). Least recently used entries go first when the cache is over
+its bytes. Rows live on the host, in the model's dtype (on a GPU, one copy per scoring step).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PromptLogprobsStep:
+    """What the runner does for a request's prompt log-probabilities in one step (SeqStep.prompt_logprobs).
+
+    Rows from position `first` on are scored: rows [first, start) come from the cache (`read`: the hashes of
+    the blocks covering them, in order; `start` is the step's first computed position), the rest from this
+    step's forward; targets[j] is the prompt token after row first + j. `write`: (hash, position of its first
+    token) of every full prompt block this step's computed rows fall in, whose rows the cache keeps."""
+
+    k: int
+    first: int
+    targets: list[int]
+    read: list[bytes]
+    write: list[tuple[bytes, int]]
+
+
+class PromptRowCache:
+    """Block hash -> (block_size, hidden) rows, bounded in bytes, least recently used first out."""
+
+    def __init__(self, capacity_bytes: int, block_size: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"prompt_rows_bytes: must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.block_size = block_size
+        self._entries: OrderedDict[bytes, list] = OrderedDict()  # hash -> [rows, rows filled]
+        self.nbytes = 0
+        self.rows_read = 0
+        self.rows_written = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def complete_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, have every row cached."""
+        n = 0
+        bs = self.block_size
+        for h in hashes:
+            e = self._entries.get(h)
+            if e is None or e[1] < bs:
+                break
+            n += 1
+        return n
+
+    def read(self, hashes: Sequence[bytes]) -> torch.Tensor:
+        """The rows of complete entries, concatenated (len(hashes) * block_size rows)."""
+        rows = []
+        for h in hashes:
+            e = self._entries[h]
+            if e[1] < self.block_size:
+                raise KeyError(f"prompt rows of block {h.hex()[:12]} are incomplete")
+            self._entries.move_to_end(h)
+            rows.append(e[0])
+        self.rows_read += len(hashes) * self.block_size
+        return torch.cat(rows)
+
+    def write(self, block_hash: bytes, offset: int, rows: torch.Tensor) -> None:
+        """Rows `offset` .. of a block. Rows come in order (a request computes its prompt front to back); rows
+        already there (another request with the same block) are kept."""
+        bs = self.block_size
+        if not 0 <= offset < bs or offset + rows.shape[0] > bs:
+            raise ValueError(f"rows [{offset}, {offset + rows.shape[0]}) do not fit a block of {bs}")
+        if self.capacity_bytes == 0:
+            return
+        e = self._entries.get(block_hash)
+        if e is None:
+            if offset:  # (its first rows were evicted while a request computed the block: start again later)
+                return
+            buf = torch.empty((bs, rows.shape[1]), dtype=rows.dtype)
+            self.nbytes += buf.numel() * buf.element_size()
+            e = self._entries[block_hash] = [buf, 0]
+        else:
+            self._entries.move_to_end(block_hash)
+        end = offset + rows.shape[0]
+        if offset <= e[1] < end:  # (rows past the filled ones, contiguous with them)
+            e[0][e[1]:end].copy_(rows[e[1] - offset:])
+            self.rows_written += end - e[1]
+            e[1] = end
+        while self.nbytes > self.capacity_bytes and self._entries:
+            _, (buf, _n) = self._entries.popitem(last=False)
+            self.nbytes -= buf.numel() * buf.element_size()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
