@@ -106,6 +106,21 @@ class Scheduler:
             end = last
         return end - num_computed if end > num_computed else num_new
 
+    @staticmethod
+    def _prompt_blocks(req: Request) -> list[bytes]:
+        bs = req.prompt_rows.block_size if req.prompt_rows is not None else 0
+        return req.block_hashes[:req.num_prompt_tokens // bs] if bs else []
+
+    @staticmethod
+    def _waits_for_rows(req: Request, scoring: set[bytes]) -> bool:
+        """A request scoring its prompt (prompt_logprobs) waits while another one computes the rows of its
+        first block missing from the prompt-row cache: a step or a few later it hits them, where admitted
+        now it would compute them a second time (evaluation harnesses send many continuations of one
+        context at once). It never waits on itself, nor on a request that is not running."""
+        n = req.max_hit_blocks or 0
+        blocks = Scheduler._prompt_blocks(req)
+        return n < len(blocks) and blocks[n] in scoring
+
     def _preempt(self, victim: Request) -> None:
         self.kv.free(victim, preempted=True)
         victim.num_computed_tokens = 0
@@ -148,6 +163,7 @@ class Scheduler:
         loras = {r.lora_name for r in self.running if r.lora_name is not None} if self.max_loras else set()
         passed: list[Request] = []
         starving = False
+        scoring: set[bytes] | None = None  # prompt blocks whose rows running scoring requests compute
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             if req.lora_name is not None and self.max_loras and (
@@ -157,6 +173,12 @@ class Scheduler:
                     starving = req.lora_waits > self.LORA_PATIENCE_STEPS
                 passed.append(self.waiting.popleft())
                 continue
+            if req.scoring_prompt and req.prompt_rows is not None:
+                if scoring is None:
+                    scoring = {h for r in self.running if r.scoring_prompt for h in self._prompt_blocks(r)}
+                if self._waits_for_rows(req, scoring):
+                    passed.append(self.waiting.popleft())
+                    continue
             hit, n_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - n_hit
             if num_new > budget:
@@ -180,6 +202,8 @@ class Scheduler:
             budget -= num_new
             if req.lora_name is not None:
                 loras.add(req.lora_name)
+            if scoring is not None and req.scoring_prompt:
+                scoring.update(self._prompt_blocks(req))
         self.waiting.extendleft(reversed(passed))
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens

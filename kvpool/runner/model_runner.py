@@ -629,32 +629,56 @@ class ModelRunner:
     PROMPT_LOGPROBS_ROWS = 256
 
     def _prompt_logprobs(self, steps: list[SeqStep], hidden: torch.Tensor) -> None:
-        # Every read before any write: a write may evict rows another request of this step reads.
-        todo = []
+        """Score each scoring request's rows (SeqStep.prompt_logprobs): cached blocks from their kept scores
+        where those hold the top count asked (their last row, whose next token lies past the block, through
+        the LM head), else from their rows; then this step's rows. Every read comes before any write: a write
+        may evict an entry another request of this step reads."""
+        cache = self.prompt_rows
+        jobs = []
         t = 0
         for s in steps:
             n = len(s.token_ids)
             p = s.prompt_logprobs
             if p is not None:
-                rows = hidden[t:t + n]
-                if p.read:
-                    assert self.prompt_rows is not None
-                    rows = torch.cat([self.prompt_rows.read(p.read).to(hidden.device, hidden.dtype), rows])
-                todo.append((s, p, t, rows))
+                out: list[TokenLogprobs | None] = [None] * len(p.targets)
+                rows: list[torch.Tensor] = []  # hidden rows to score, and the outputs they fill
+                where: list[int] = []
+                pos = 0
+                for block in cache.read(p.read) if p.read and cache is not None else ():
+                    bs = block.rows.shape[0]
+                    kept = block.scores_for(p.k)
+                    if kept is not None:
+                        out[pos:pos + bs - 1] = kept
+                        rows.append(block.rows[bs - 1:])
+                        where.append(pos + bs - 1)
+                    else:
+                        rows.append(block.rows)
+                        where.extend(range(pos, pos + bs))
+                    pos += bs
+                computed = len(p.targets) - pos  # (rows of this step's forward that are scored)
+                if computed > 0:
+                    rows.append(hidden[t:t + computed])
+                    where.extend(range(pos, pos + computed))
+                jobs.append((s, p, t, out, rows, where))
             t += n
-        for s, p, t, rows in todo:
+        for s, p, t, out, rows, where in jobs:
+            if where:
+                hid = torch.cat([r.to(hidden.device, hidden.dtype) for r in rows])
+                targets = [p.targets[i] for i in where]
+                for a in range(0, len(where), self.PROMPT_LOGPROBS_ROWS):
+                    b = min(a + self.PROMPT_LOGPROBS_ROWS, len(where))
+                    scored = token_logprobs(self.model.compute_logits(hid[a:b]), targets[a:b], [p.k] * (b - a))
+                    for i, lp in zip(where[a:b], scored, strict=True):
+                        out[i] = lp
             if p.targets:
-                out: list[TokenLogprobs] = []
-                for a in range(0, len(p.targets), self.PROMPT_LOGPROBS_ROWS):
-                    b = min(a + self.PROMPT_LOGPROBS_ROWS, len(p.targets))
-                    logits = self.model.compute_logits(rows[a:b])
-                    out += token_logprobs(logits, p.targets[a:b], [p.k] * (b - a))
-                self.last_prompt_logprobs[s.req_id] = (p.first, out)
-            if p.write and self.prompt_rows is not None:
-                bs, start, end = self.prompt_rows.block_size, s.start_pos, s.start_pos + len(s.token_ids)
+                self.last_prompt_logprobs[s.req_id] = (p.first, out)  # type: ignore[assignment]
+            if p.write and cache is not None:
+                bs, start, end = cache.block_size, s.start_pos, s.start_pos + len(s.token_ids)
                 for h, pos in p.write:
                     a, b = max(pos, start), min(pos + bs, end)
-                    self.prompt_rows.write(h, a - pos, hidden[t + a - start:t + b - start])
+                    # (row r's score is out[r - first], where r is scored; the block's last row keeps none)
+                    scores = [out[r - p.first] if r - p.first < len(out) else None for r in range(a, b)]
+                    cache.write(h, a - pos, hidden[t + a - start:t + b - start], scores, p.k)
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:

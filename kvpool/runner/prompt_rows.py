@@ -14,6 +14,12 @@ device, the host tier, a store written by another replica), and they need no car
 evicted or moved. Rows are written as chunks compute them (a block may take two chunks: an entry is
 complete, and usable, once every row is in). Least recently used entries go first when the cache is over
 its bytes. Rows live on the host, in the model's dtype (on a GPU, one copy per scoring step).
+
+Scores too: a row's score (the next token's log-probability, its rank and the top k) depends on the block's
+tokens alone, except the block's last row, whose next token starts the next block. So an entry also keeps
+the scores of its first block_size - 1 rows, as the request that wrote them computed them (with its k): a
+later request asking for at most that k takes them as they are, and puts through the LM head only each
+block's last row (the LM head and the softmax over the vocabulary cost about as much as the forward).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvpool.runner.sampler import TokenLogprobs
 
 
 @dataclass
@@ -41,6 +49,23 @@ class PromptLogprobsStep:
     write: list[tuple[bytes, int]]
 
 
+@dataclass
+class CachedBlock:
+    """A complete entry: its rows, and the scores of its first block_size - 1 rows when every one was kept
+    (`scores`, computed with `k` top tokens; None: score the rows)."""
+
+    rows: torch.Tensor
+    k: int
+    scores: list[TokenLogprobs | None] | None
+
+    def scores_for(self, k: int) -> list[TokenLogprobs | None] | None:
+        """The kept scores cut to `k` top tokens, if they hold that many."""
+        if self.scores is None or k > self.k:
+            return None
+        return [t if t is None or len(t.top) <= k else TokenLogprobs(t.token_id, t.logprob, t.top[:k], t.rank)
+                for t in self.scores]
+
+
 class PromptRowCache:
     """Block hash -> (block_size, hidden) rows, bounded in bytes, least recently used first out."""
 
@@ -49,7 +74,8 @@ class PromptRowCache:
             raise ValueError(f"prompt_rows_bytes: must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.block_size = block_size
-        self._entries: OrderedDict[bytes, list] = OrderedDict()  # hash -> [rows, rows filled]
+        # hash -> [rows, rows filled, k, scores of rows 0 .. block_size - 2 (None: not kept)]
+        self._entries: OrderedDict[bytes, list] = OrderedDict()
         self.nbytes = 0
         self.rows_read = 0
         self.rows_written = 0
@@ -68,21 +94,24 @@ class PromptRowCache:
             n += 1
         return n
 
-    def read(self, hashes: Sequence[bytes]) -> torch.Tensor:
-        """The rows of complete entries, concatenated (len(hashes) * block_size rows)."""
-        rows = []
+    def read(self, hashes: Sequence[bytes]) -> list[CachedBlock]:
+        """Complete entries, in order."""
+        out = []
         for h in hashes:
             e = self._entries[h]
             if e[1] < self.block_size:
                 raise KeyError(f"prompt rows of block {h.hex()[:12]} are incomplete")
             self._entries.move_to_end(h)
-            rows.append(e[0])
+            scores = e[3]
+            out.append(CachedBlock(e[0], e[2], scores if scores is not None and None not in scores else None))
         self.rows_read += len(hashes) * self.block_size
-        return torch.cat(rows)
+        return out
 
-    def write(self, block_hash: bytes, offset: int, rows: torch.Tensor) -> None:
-        """Rows `offset` .. of a block. Rows come in order (a request computes its prompt front to back); rows
-        already there (another request with the same block) are kept."""
+    def write(self, block_hash: bytes, offset: int, rows: torch.Tensor,
+              scores: Sequence[TokenLogprobs | None] | None = None, k: int = 0) -> None:
+        """Rows `offset` .. of a block, and the writer's scores of them (one per row, None where it has none;
+        k: its top count). Rows come in order (a request computes its prompt front to back); rows already
+        there (another request with the same block) are kept."""
         bs = self.block_size
         if not 0 <= offset < bs or offset + rows.shape[0] > bs:
             raise ValueError(f"rows [{offset}, {offset + rows.shape[0]}) do not fit a block of {bs}")
@@ -94,16 +123,21 @@ class PromptRowCache:
                 return
             buf = torch.empty((bs, rows.shape[1]), dtype=rows.dtype)
             self.nbytes += buf.numel() * buf.element_size()
-            e = self._entries[block_hash] = [buf, 0]
+            e = self._entries[block_hash] = [buf, 0, k, [None] * (bs - 1)]
         else:
             self._entries.move_to_end(block_hash)
         end = offset + rows.shape[0]
         if offset <= e[1] < end:  # (rows past the filled ones, contiguous with them)
-            e[0][e[1]:end].copy_(rows[e[1] - offset:])
+            new = e[1] - offset
+            e[0][e[1]:end].copy_(rows[new:])
+            e[2] = min(e[2], k)  # (two writers: the scores hold the smaller top count)
+            kept = e[3]
+            for j in range(e[1], min(end, bs - 1)):
+                kept[j] = scores[j - offset] if scores is not None else None
             self.rows_written += end - e[1]
             e[1] = end
         while self.nbytes > self.capacity_bytes and self._entries:
-            _, (buf, _n) = self._entries.popitem(last=False)
+            _, (buf, *_rest) = self._entries.popitem(last=False)
             self.nbytes -= buf.numel() * buf.element_size()
 
     def clear(self) -> None:

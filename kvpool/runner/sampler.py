@@ -140,7 +140,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     picked_t = logp.gather(1, torch.where(inside, ids, 0).unsqueeze(1)).squeeze(1)
     picked_t = torch.where(inside, picked_t, float("-inf"))
     # Its rank: 1 + the tokens strictly more likely (vLLM's), a tie ranked as its best.
-    ranks = ((logp > picked_t.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    ranks = ((logp > picked_t.unsqueeze(1)).sum(dim=1, dtype=torch.int32) + 1).tolist()  # (int32: half the time)
     picked = picked_t.tolist()
     k_max = max(ks)
     top_v, top_i = torch.topk(logp, k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0].long())

@@ -197,3 +197,21 @@ def test_shared_contexts_under_pressure_score_as_a_cold_engine(tiny_llama_dir: P
     assert sum(o.num_cached_tokens for o in got) > 0 and rows.rows_read > 0
     assert rows.rows_written > 8 * 4 and hot.engine.scheduler.stats.num_preemptions > 0  # (evictions, preemptions)
     hot.engine.kv.check_integrity()
+
+
+def test_continuations_sent_together_wait_for_the_context_rows(tiny_llama_dir: Path, ref) -> None:
+    """Four continuations of one 24-token context, sent at once: the first computes the context; the others
+    wait a step for its rows instead of computing it too, then hit it (6 blocks). Without a row cache each
+    computes its whole prompt, in the same step."""
+    context = PROMPT[:24]
+    prompts = [[*context, 40 + i, 50 + i] for i in range(4)]
+    sp = SamplingParams.greedy(1, prompt_logprobs=1)
+    for size, cached, computed in ((None, [0, 24, 24, 24], 26 + 3 * 2), (0, [0, 0, 0, 0], 4 * 26)):
+        llm = tiny(tiny_llama_dir) if size is None else tiny(tiny_llama_dir, prompt_rows_cache=size)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert [o.num_cached_tokens for o in outs] == cached
+        assert llm.engine.scheduler.stats.num_prompt_tokens == computed
+        for o in outs:  # (the context's rows are PROMPT's: its reference applies)
+            assert entries(o.prompt_logprobs)[:24] == entries(outs[0].prompt_logprobs)[:24]
+        check_rows = [t.logprob for t in outs[0].prompt_logprobs[1:24]]  # type: ignore[index]
+        assert check_rows == pytest.approx([ref[i, PROMPT[i + 1]].item() for i in range(23)], abs=1e-4)
