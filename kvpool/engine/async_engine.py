@@ -62,6 +62,8 @@ class StepReport:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     bytes_per_block: int = 0
+    prompt_rows_read: int = 0  # prompt positions scored from the prompt-row cache
+    prompt_rows_bytes: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[RequestOutput] = field(default_factory=list)
     kv_events: list[KVCacheEvent] = field(default_factory=list)
@@ -132,7 +134,7 @@ class AsyncEngine:
         self._listeners: list[StepListener] = []
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self._last_stats = (0, 0, 0, 0)
+        self._last_stats = (0, 0, 0, 0, 0)
         self._unreported = False
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -418,7 +420,8 @@ class AsyncEngine:
         eng = self.engine
         st = eng.stats()
         pc = eng.take_prefix_cache_stats()
-        totals = (st.num_generation_tokens, st.num_preemptions, st.num_blocks_swapped_out, st.num_blocks_swapped_in)
+        totals = (st.num_generation_tokens, st.num_preemptions, st.num_blocks_swapped_out, st.num_blocks_swapped_in,
+                  st.prompt_rows_read)
         d = [a - b for a, b in zip(totals, self._last_stats, strict=True)]
         self._last_stats = totals
         aborted, self._aborted = self._aborted, []
@@ -426,5 +429,5 @@ class AsyncEngine:
                           host_usage=st.host_usage,
                           prefix_queries=pc.queries, prefix_hits=pc.hits, host_hits=pc.host_hits,
                           generation_tokens=d[0], preemptions=d[1], blocks_swapped_out=d[2], blocks_swapped_in=d[3],
-                          bytes_per_block=st.bytes_per_block,
-                          kv_events=eng.take_kv_events(), finished=aborted)
+                          bytes_per_block=st.bytes_per_block, prompt_rows_read=d[4],
+                          prompt_rows_bytes=st.prompt_rows_bytes, kv_events=eng.take_kv_events(), finished=aborted)

@@ -101,6 +101,9 @@ class EngineStats:
     num_blocks: int
     num_pins: int
     num_pinned_blocks: int
+    # The prompt-row cache (kvpool.runner.prompt_rows): prompt rows scored from it, and its bytes.
+    prompt_rows_read: int = 0
+    prompt_rows_bytes: int = 0
 
 
 class LLMEngine:
@@ -327,6 +330,7 @@ class LLMEngine:
         kv, sched = self.kv, self.scheduler
         # (requests held for their store reads wait too: the load a router reads must count them)
         held = self.store.num_held() if self.store is not None else 0
+        rows = self.runner.prompt_rows
         return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting) + held, kv_usage=kv.usage,
                            host_usage=kv.host_pool.usage if kv.host_pool is not None else None,
                            num_generation_tokens=sched.stats.num_generation_tokens,
@@ -334,7 +338,9 @@ class LLMEngine:
                            num_blocks_swapped_out=kv.swap_stats.blocks_out,
                            num_blocks_swapped_in=kv.swap_stats.blocks_in,
                            bytes_per_block=self.runner.bytes_per_block, num_blocks=self.runner.num_blocks,
-                           num_pins=len(self.pins), num_pinned_blocks=self.pins.num_pinned_blocks)
+                           num_pins=len(self.pins), num_pinned_blocks=self.pins.num_pinned_blocks,
+                           prompt_rows_read=rows.rows_read if rows is not None else 0,
+                           prompt_rows_bytes=rows.nbytes if rows is not None else 0)
 
     @property
     def has_host_tier(self) -> bool:

@@ -48,6 +48,9 @@ class ServerMetrics:
         self.e2e = histogram("kvpool:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.pinned_blocks = gauge("kvpool:pinned_blocks", "Device blocks held by pinned prefixes.")
         self.pins = gauge("kvpool:pinned_prefixes", "Pinned prefixes (POST /v1/pins).")
+        self.prompt_rows_hits = counter("kvpool:prompt_rows_hits", "Prompt positions of prompt_logprobs requests "
+                                        "scored from the prompt-row cache (a prefix hit; not recomputed).")
+        self.prompt_rows_bytes = gauge("kvpool:prompt_rows_cache_bytes", "Host bytes the prompt-row cache holds.")
         self.host_tier = host_tier
         if host_tier:
             self.host_usage = gauge("kvpool:host_kv_cache_usage_perc", "Fraction of host-tier blocks pinned (0-1).")
@@ -71,6 +74,8 @@ class ServerMetrics:
         self.preemptions.inc(s.preemptions)
         self.prompt_tokens.inc(s.prompt_tokens)
         self.generation_tokens.inc(s.generation_tokens)
+        self.prompt_rows_hits.inc(s.prompt_rows_read)
+        self.prompt_rows_bytes.set(s.prompt_rows_bytes)
         for v in s.inter_token_latencies:
             self.itl.observe(v)
         for out in s.finished:

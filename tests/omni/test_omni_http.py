@@ -158,6 +158,8 @@ BAD = [
     ("cache_salt", chat(None, cache_salt="tenant"), "cache_salt", "cache_salt: not supported by the omni server"),
     ("n", chat(None, n=2), "n", "n: the omni server answers with one choice (the talker speaks one text); send n=1"),
     ("logprobs", chat(None, logprobs=True), "logprobs", "logprobs: not supported by the omni server"),
+    ("prompt_logprobs", chat(None, prompt_logprobs=0), "prompt_logprobs",
+     "prompt_logprobs: not supported by the omni server"),
     ("max_tokens", chat(None, max_tokens=0), "max_tokens", "max_tokens: must be an int >= 1, got 0"),
     # The field the client sent, as kvpool serve names it (not the engine's max_tokens).
     ("max_completion_tokens", chat(None, max_completion_tokens=0), "max_completion_tokens",

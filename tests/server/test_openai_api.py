@@ -308,11 +308,14 @@ def test_echo_scores_a_text_as_lm_eval_asks(server: ServerHandle, offline) -> No
     assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     assert r["usage"]["completion_tokens"] == 1 and r["usage"]["prompt_tokens"] == len(ids)
     # max_tokens 0: the prompt alone, scored.
+    read = metric(server.url, "kvpool:prompt_rows_hits_total")
     r0 = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0}, timeout=60).json()
     c0 = r0["choices"][0]
     assert c0["text"] == prompt and c0["finish_reason"] == "length" and r0["usage"]["completion_tokens"] == 0
     # (scored before: its blocks' rows are cached, so the second scoring hits its full blocks)
     assert r0["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // BLOCK * BLOCK > 0
+    assert metric(server.url, "kvpool:prompt_rows_hits_total") - read == (len(ids) - 1) // BLOCK * BLOCK
+    assert metric(server.url, "kvpool:prompt_rows_cache_bytes") > 0
     assert c0["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
     assert c0["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
     # Streamed: the same text and tokens, the prompt's in the first chunk.
