@@ -272,15 +272,16 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             params: SamplingParams, options: StreamOptions | None, rid: str, obj: str, stamp: int,
             first: Sequence[dict[str, Any]] = (), first_prompt_tokens: int = 0,
             model: str = model_name, shape: Callable[[int, RequestOutput], RequestOutput] | None = None,
-            opening: Callable[[dict[str, Any], RequestOutput], None] | None = None,
+            prompt_extra: Callable[[RequestOutput], dict[str, Any]] | None = None, extra_in_choice: bool = True,
             echo: bool = False) -> StreamingResponse:
         """The streams' chunks: one choice each (n > 1 or a batch of prompts: the choices interleave, each
         by its index, as OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its
         finish_reason on its last chunk. `options.include_usage`: a last chunk with the usage (null in the
         others, as OpenAI's); with `continuous_usage_stats` too, each chunk carries its own choice's usage so
         far, its prompt's tokens and the choice's (vLLM's; `first` chunks: `first_prompt_tokens` and none).
-        `shape(i, out)`: prompt i's output as the client sees it (echo); `opening(body, out)` adds to a
-        choice's first chunk (prompt_logprobs); `echo`: the logprobs start with the prompt's."""
+        `shape(i, out)`: prompt i's output as the client sees it (echo); `prompt_extra(out)`: fields a
+        choice's first chunk carries once they are known (prompt_logprobs: n > 1, child 0 computes them), in
+        the choice or at the top; `echo`: the logprobs start with the prompt's."""
         deltas = [_TextDeltas(params) for _ in range(len(streams) * params.n)]
         ended = [False] * len(deltas)
         opened = [False] * len(deltas)
@@ -312,9 +313,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                             ended[o.index] = final
                             w = logprobs[o.index]
                             body = chunk(text, o, final, w.next(o.logprobs, prompt_of(out)) if w else None)
-                            if opening is not None and not opened[o.index]:
+                            extra = prompt_extra(out) if prompt_extra is not None and not opened[o.index] else None
+                            if extra:
                                 opened[o.index] = True
-                                opening(body, out)
+                                (body["choices"][0] if extra_in_choice else body).update(extra)
                             yield data(body, len(out.prompt_token_ids), len(o.token_ids))
                 if include_usage and last:
                     body = {"id": rid, "object": obj, "created": stamp, "model": model,
@@ -532,7 +534,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             return sse(streams, lambda t, o, f, lp: {"id": rid, "object": "text_completion", "created": stamp,
                                                      "model": served, "choices": [choice(t, o, f, lp)]},
                        params, body.stream_options, rid, "text_completion", stamp, model=served, shape=shape,
-                       opening=lambda b, out: b["choices"][0].update(prompt_logprobs(out, asked)), echo=body.echo)
+                       prompt_extra=lambda out: prompt_logprobs(out, asked), echo=body.echo)
         outs = [shape(i, out) for i, out in enumerate(await finish(request, streams, params.n))]
         return JSONResponse({"id": rid, "object": "text_completion", "created": stamp, "model": served,
                              "choices": [{**choice(o.text, o, True, whole_logprobs(params, out, o, False, body.echo)),
@@ -573,7 +575,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             opening = [chunk("", None, False, None, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
             return sse([stream], chunk, params, body.stream_options, rid, "chat.completion.chunk", stamp,
                        first=opening, first_prompt_tokens=len(ids), model=served,
-                       opening=lambda b, out: b.update(prompt_logprobs(out, body.prompt_logprobs)))
+                       prompt_extra=lambda out: prompt_logprobs(out, body.prompt_logprobs), extra_in_choice=False)
         [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},

@@ -42,6 +42,8 @@ class LogprobsWriter:
     def next(self, logprobs: Sequence[TokenLogprobs] | None, prompt: Prompt | None = None) -> dict[str, Any] | None:
         if logprobs is None:
             return None
+        if self._echo is not None and prompt is None:
+            return None  # (the prompt's come first: nothing until they are known, n > 1's child 0 computes them)
         new: list[TokenLogprobs | None] = list(logprobs[self._sent:])
         ids = [t.token_id for t in new if t is not None]
         if self._echo is not None and prompt is not None:

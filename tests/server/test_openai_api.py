@@ -364,6 +364,19 @@ def test_prompt_logprobs_as_vllm_returns_them(server: ServerHandle, offline) -> 
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["prompt_logprobs"] == c["prompt_logprobs"]
     assert all("prompt_logprobs" not in ch["choices"][0] for ch in chunks[1:])
+    # n = 2, streamed with echo and logprobs: each choice opens with the prompt's log-probabilities (child 0
+    # computes them), its tokens are the prompt's then its answer's, and each carries prompt_logprobs once.
+    two = {**body, "n": 2, "temperature": 1.0, "seed": 3, "echo": True, "logprobs": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=two, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    whole = httpx.post(f"{server.url}/v1/completions", json={**two, "stream": False}, timeout=60).json()["choices"]
+    for i in range(2):
+        mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == i]
+        assert [m for m in mine if "prompt_logprobs" in m][0] is mine[0]
+        assert mine[0]["prompt_logprobs"] == c["prompt_logprobs"] and sum("prompt_logprobs" in m for m in mine) == 1
+        tokens = [t for m in mine if m["logprobs"] for t in m["logprobs"]["tokens"]]
+        assert tokens == whole[i]["logprobs"]["tokens"] and len(tokens) == len(ids) + 3
+        assert "".join(m["text"] for m in mine) == whole[i]["text"]
 
     messages = [{"role": "user", "content": prompt}]
     chat_want = offline_prompt_logprobs(offline, offline.apply_chat_template(messages), 1)
