@@ -372,7 +372,7 @@ def test_prompt_logprobs_as_vllm_returns_them(server: ServerHandle, offline) -> 
     whole = httpx.post(f"{server.url}/v1/completions", json={**two, "stream": False}, timeout=60).json()["choices"]
     for i in range(2):
         mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == i]
-        assert [m for m in mine if "prompt_logprobs" in m][0] is mine[0]
+        assert "prompt_logprobs" in mine[0]
         assert mine[0]["prompt_logprobs"] == c["prompt_logprobs"] and sum("prompt_logprobs" in m for m in mine) == 1
         tokens = [t for m in mine if m["logprobs"] for t in m["logprobs"]["tokens"]]
         assert tokens == whole[i]["logprobs"]["tokens"] and len(tokens) == len(ids) + 3
