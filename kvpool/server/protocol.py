@@ -215,6 +215,8 @@ class CompletionRequest(_SamplingFields):
     def _max_tokens(self) -> int | None:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: must be an int >= 1 (0 only with echo: the prompt alone), got 0")
+        if self.echo_only and self.min_tokens:
+            raise ValueError(f"min_tokens: must be 0 with max_tokens 0 (nothing is generated), got {self.min_tokens}")
         return 1 if self.echo_only else self.max_tokens
 
     def _prompt_logprobs(self) -> int | None:

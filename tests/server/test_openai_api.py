@@ -335,6 +335,8 @@ def test_echo_scores_a_text_as_lm_eval_asks(server: ServerHandle, offline) -> No
     bad = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False, "max_tokens": 0}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     assert "0 only with echo" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0, "min_tokens": 2}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
 
 
 def test_prompt_logprobs_as_vllm_returns_them(server: ServerHandle, offline) -> None:
