@@ -136,11 +136,14 @@ class Request(CacheRequest):
             first -= first % bs
             read = self.block_hashes[first // bs:start // bs]
         write: list[tuple[bytes, int]] = []
+        chain: list[bytes] = []
         if self.prompt_rows is not None:
             bs = self.prompt_rows.block_size
             write = [(self.block_hashes[i], i * bs) for i in range(start // bs, min(-(-end // bs), n_prompt // bs))]
+            chain = self.block_hashes[:min(end, n_prompt) // bs]
         targets = self.all_token_ids[first + 1:min(end, n_prompt - 1) + 1] if first < n_prompt - 1 else []
-        return PromptLogprobsStep(self.sampling_params.prompt_logprobs, first, targets, read, write)  # type: ignore[arg-type]
+        return PromptLogprobsStep(self.sampling_params.prompt_logprobs, first, targets, read, write,  # type: ignore[arg-type]
+                                  chain)
 
     def add_prompt_logprobs(self, start: int, rows: Sequence[TokenLogprobs]) -> None:
         """Rows computed from position `start` on: entry start + 1 + j is row j's."""

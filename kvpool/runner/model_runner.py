@@ -343,7 +343,8 @@ class ModelRunner:
         # ... and the prompt tokens' the last step scored (SeqStep.prompt_logprobs): (first row, rows in order).
         self.last_prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         # Prompt positions' last hidden states by block hash, so a request scoring its prompt can take a hit.
-        self.prompt_rows = PromptRowCache(prompt_rows_bytes, block_size) if prompt_rows_bytes else None
+        self.prompt_rows = (PromptRowCache(prompt_rows_bytes, block_size, block_size * self.arch.hidden_size
+                                           * self.dtype.itemsize) if prompt_rows_bytes else None)
         self.lora: LoRAManager | None = None  # set by enable_lora
         log.info("model %s loaded in %.1fs (%s, %s); KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
                  model_dir.name, time.perf_counter() - t0, self.dtype, self.device, num_blocks, block_size,
@@ -665,8 +666,10 @@ class ModelRunner:
             if where:
                 hid = torch.cat([r.to(hidden.device, hidden.dtype) for r in rows])
                 targets = [p.targets[i] for i in where]
-                for a in range(0, len(where), self.PROMPT_LOGPROBS_ROWS):
-                    b = min(a + self.PROMPT_LOGPROBS_ROWS, len(where))
+                # (batch invariant: one row per call, as the sampled rows, so a hit scores as a cold run)
+                step = 1 if self.batch_invariant else self.PROMPT_LOGPROBS_ROWS
+                for a in range(0, len(where), step):
+                    b = min(a + step, len(where))
                     scored = token_logprobs(self.model.compute_logits(hid[a:b]), targets[a:b], [p.k] * (b - a))
                     for i, lp in zip(where[a:b], scored, strict=True):
                         out[i] = lp
@@ -679,6 +682,10 @@ class ModelRunner:
                     # (row r's score is out[r - first], where r is scored; the block's last row keeps none)
                     scores = [out[r - p.first] if r - p.first < len(out) else None for r in range(a, b)]
                     cache.write(h, a - pos, hidden[t + a - start:t + b - start], scores, p.k)
+        if cache is not None and jobs:
+            for _s, p, *_rest in jobs:  # (each prompt's first block last: it goes last; module doc)
+                cache.touch(p.chain[::-1])
+            cache.shrink()
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], swap_plan: SwapPlan | None = None) -> dict[str, int]:

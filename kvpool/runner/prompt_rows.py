@@ -12,8 +12,15 @@ runner scores the hit positions from their rows with the LM head alone (a fracti
 Keyed by the chained block hash, a block's rows are exactly its content's wherever its KV comes from (the
 device, the host tier, a store written by another replica), and they need no care when a KV block is
 evicted or moved. Rows are written as chunks compute them (a block may take two chunks: an entry is
-complete, and usable, once every row is in). Least recently used entries go first when the cache is over
-its bytes. Rows live on the host, in the model's dtype (on a GPU, one copy per scoring step).
+complete, and usable, once every row is in). Rows live on the host, in the model's dtype (on a GPU, one
+copy per scoring step).
+
+Eviction: a hit needs a prompt's blocks from its first on, so a prompt's last blocks must go before its
+first ones (as vLLM frees a request's blocks, tail first), and the prompts used longest ago before the
+others. After each step the runner touches every scoring request's blocks so far from its last to its first
+(`touch`), then evicts the least recently touched entries down to the bytes allowed (`shrink`): what goes
+is the tail of the prompt scored longest ago. (With eviction during writes instead, the first blocks of
+every prompt, written first, went first, and two prompts that did not both fit left no hit at all.)
 
 Scores too: a row's score (the next token's log-probability, its rank and the top k) depends on the block's
 tokens alone, except the block's last row, whose next token starts the next block. So an entry also keeps
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,13 +47,15 @@ class PromptLogprobsStep:
     Rows from position `first` on are scored: rows [first, start) come from the cache (`read`: the hashes of
     the blocks covering them, in order; `start` is the step's first computed position), the rest from this
     step's forward; targets[j] is the prompt token after row first + j. `write`: (hash, position of its first
-    token) of every full prompt block this step's computed rows fall in, whose rows the cache keeps."""
+    token) of every full prompt block this step's computed rows fall in, whose rows the cache keeps. `chain`:
+    the hashes of the prompt's full blocks up to this step's end, touched after the step (`touch`)."""
 
     k: int
     first: int
     targets: list[int]
     read: list[bytes]
     write: list[tuple[bytes, int]]
+    chain: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -69,11 +78,12 @@ class CachedBlock:
 class PromptRowCache:
     """Block hash -> (block_size, hidden) rows, bounded in bytes, least recently used first out."""
 
-    def __init__(self, capacity_bytes: int, block_size: int) -> None:
+    def __init__(self, capacity_bytes: int, block_size: int, entry_bytes: int = 0) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"prompt_rows_bytes: must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.block_size = block_size
+        self.entry_bytes = entry_bytes  # one block's rows (block_size x hidden x dtype), when the runner knows it
         # hash -> [rows, rows filled, k, scores of rows 0 .. block_size - 2 (None: not kept)]
         self._entries: OrderedDict[bytes, list] = OrderedDict()
         self.nbytes = 0
@@ -101,7 +111,6 @@ class PromptRowCache:
             e = self._entries[h]
             if e[1] < self.block_size:
                 raise KeyError(f"prompt rows of block {h.hex()[:12]} are incomplete")
-            self._entries.move_to_end(h)
             scores = e[3]
             out.append(CachedBlock(e[0], e[2], scores if scores is not None and None not in scores else None))
         self.rows_read += len(hashes) * self.block_size
@@ -124,8 +133,6 @@ class PromptRowCache:
             buf = torch.empty((bs, rows.shape[1]), dtype=rows.dtype)
             self.nbytes += buf.numel() * buf.element_size()
             e = self._entries[block_hash] = [buf, 0, k, [None] * (bs - 1)]
-        else:
-            self._entries.move_to_end(block_hash)
         end = offset + rows.shape[0]
         if offset <= e[1] < end:  # (rows past the filled ones, contiguous with them)
             new = e[1] - offset
@@ -136,6 +143,20 @@ class PromptRowCache:
                 kept[j] = scores[j - offset] if scores is not None else None
             self.rows_written += end - e[1]
             e[1] = end
+
+    def fits(self, num_blocks: int) -> bool:
+        """Whether a prompt of this many blocks can be kept whole (so that waiting for its rows pays)."""
+        return num_blocks * self.entry_bytes <= self.capacity_bytes
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Make these entries the most recently used, the last one most of all."""
+        entries = self._entries
+        for h in hashes:
+            if h in entries:
+                entries.move_to_end(h)
+
+    def shrink(self) -> None:
+        """Evict least recently touched entries until the cache is within its bytes."""
         while self.nbytes > self.capacity_bytes and self._entries:
             _, (buf, *_rest) = self._entries.popitem(last=False)
             self.nbytes -= buf.numel() * buf.element_size()

@@ -183,7 +183,7 @@ def test_shared_contexts_under_pressure_score_as_a_cold_engine(tiny_llama_dir: P
     params = [SamplingParams.greedy(rng.randrange(1, 4), prompt_logprobs=rng.randrange(0, 3)) for _ in prompts]
     cold = tiny(tiny_llama_dir, enable_prefix_caching=False)
     want = [cold.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params, strict=True)]
-    hot = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=12, block_size=4,
+    hot = LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, num_blocks=10, block_size=4,
               max_num_batched_tokens=12, prompt_rows_cache=8 * 4 * 64 * 4)  # (8 blocks of rows, hidden 64)
     got = hot.generate(prompts, params, use_tqdm=False)
     for g, w in zip(got, want, strict=True):
@@ -215,3 +215,38 @@ def test_continuations_sent_together_wait_for_the_context_rows(tiny_llama_dir: P
             assert entries(o.prompt_logprobs)[:24] == entries(outs[0].prompt_logprobs)[:24]
         check_rows = [t.logprob for t in outs[0].prompt_logprobs[1:24]]  # type: ignore[index]
         assert check_rows == pytest.approx([ref[i, PROMPT[i + 1]].item() for i in range(23)], abs=1e-4)
+
+
+def test_a_cache_too_small_for_two_contexts_keeps_the_head_of_one(tiny_llama_dir: Path) -> None:
+    """Two 6-block contexts scored in turn through a row cache of 9 blocks: each prompt's tail goes first, so
+    the older context keeps its first blocks and later requests hit them (evicting each prompt's first blocks,
+    written first, left no hit at all)."""
+    a, b = PROMPT[:24], [t + 100 for t in PROMPT[:24]]
+    llm = tiny(tiny_llama_dir, prompt_rows_cache=9 * 4 * 64 * 4)  # (hidden 64, float32)
+    sp = SamplingParams.greedy(1, prompt_logprobs=0)
+    hits = [llm.generate([p + [7]], sp, use_tqdm=False)[0].num_cached_tokens for p in (a, b, a, b, a, b)]
+    assert hits[:2] == [0, 0] and all(h > 0 for h in hits[2:]), hits
+
+
+def test_no_wait_for_rows_the_cache_cannot_hold(tiny_llama_dir: Path) -> None:
+    """Continuations of a context longer than the row cache run together, as with no cache (waiting would
+    serialize them for rows evicted before anyone reads them)."""
+    prompts = [[*PROMPT[:24], 40 + i, 50 + i] for i in range(4)]
+    sp = SamplingParams.greedy(1, prompt_logprobs=0)
+    llm = tiny(tiny_llama_dir, prompt_rows_cache=3 * 4 * 64 * 4)  # (3 blocks of the context's 6)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert len({o.metrics.first_scheduled_time for o in outs}) == 1  # (all admitted in the first step)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
+
+
+def test_batch_invariant_hits_score_bit_for_bit_as_a_cold_run(tiny_llama_dir: Path) -> None:
+    """Continuations sent together (the later ones score the context from the row cache, with their own rows)
+    give exactly what each gives alone on a cold engine."""
+    cold = tiny(tiny_llama_dir, batch_invariant=True, enable_prefix_caching=False)
+    hot = tiny(tiny_llama_dir, batch_invariant=True)
+    prompts = [[*PROMPT[:24], 40 + i, 50 + i] for i in range(3)]
+    sp = SamplingParams.greedy(2, prompt_logprobs=0)
+    want = [cold.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+    got = hot.generate(prompts, sp, use_tqdm=False)
+    assert [o.num_cached_tokens for o in got] == [0, 24, 24]
+    assert [entries(o.prompt_logprobs) for o in got] == [entries(o.prompt_logprobs) for o in want]

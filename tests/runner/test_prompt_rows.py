@@ -40,16 +40,30 @@ def test_prefix_stops_at_the_first_missing_block() -> None:
     assert [b.rows.shape for b in c.read([b"a", b"c"])] == [(BS, H), (BS, H)]
 
 
-def test_least_recently_used_goes_first_past_the_bytes() -> None:
-    c = PromptRowCache(2 * ROW_BYTES, BS)
+def test_least_recently_touched_goes_first_past_the_bytes() -> None:
+    c = PromptRowCache(2 * ROW_BYTES, BS, entry_bytes=ROW_BYTES)
     c.write(b"a", 0, rows(BS, 1.0))
     c.write(b"b", 0, rows(BS, 2.0))
-    c.read([b"a"])  # a is used: b is now the oldest
+    c.touch([b"a", b"x"])  # a is used (x is not there): b is now the oldest
     c.write(b"c", 0, rows(BS, 3.0))
+    assert c.nbytes == 3 * ROW_BYTES  # (over the bytes until the step's end)
+    c.shrink()
     assert c.complete_prefix([b"a"]) == 1 and c.complete_prefix([b"b"]) == 0 and c.complete_prefix([b"c"]) == 1
-    assert c.nbytes == 2 * ROW_BYTES
+    assert c.nbytes == 2 * ROW_BYTES and c.fits(2) and not c.fits(3)
     c.clear()
     assert len(c) == 0 and c.nbytes == 0
+
+
+def test_two_prompts_that_do_not_both_fit_keep_the_head_of_the_older() -> None:
+    """Touched tail first after each step, a prompt loses its last blocks first: the older prompt keeps its
+    first block (a hit of one block), the newer one is whole."""
+    c = PromptRowCache(4 * ROW_BYTES, BS, entry_bytes=ROW_BYTES)
+    for chain in ([b"a1", b"a2", b"a3"], [b"b1", b"b2", b"b3"]):
+        for h in chain:
+            c.write(h, 0, rows(BS, 1.0))
+        c.touch(chain[::-1])
+        c.shrink()
+    assert c.complete_prefix([b"a1", b"a2", b"a3"]) == 1 and c.complete_prefix([b"b1", b"b2", b"b3"]) == 3
 
 
 def test_zero_bytes_keeps_nothing_and_bad_rows_are_refused() -> None:
@@ -103,6 +117,8 @@ def test_whatever_the_writes_complete_entries_hold_their_own_rows(capacity: int,
     for h, offset, n in writes:
         n = min(n, BS - offset)
         c.write(bytes([h]), offset, truth(h, offset, offset + n))
+        c.touch([bytes([h])])
+        c.shrink()
         assert c.nbytes <= c.capacity_bytes and c.nbytes == len(c) * ROW_BYTES
         done = [bytes([x]) for x in range(6) if c.complete_prefix([bytes([x])])]
         for block, key in zip(c.read(done), done, strict=True):
