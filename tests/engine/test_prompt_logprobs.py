@@ -224,7 +224,7 @@ def test_a_cache_too_small_for_two_contexts_keeps_the_head_of_one(tiny_llama_dir
     a, b = PROMPT[:24], [t + 100 for t in PROMPT[:24]]
     llm = tiny(tiny_llama_dir, prompt_rows_cache=9 * 4 * 64 * 4)  # (hidden 64, float32)
     sp = SamplingParams.greedy(1, prompt_logprobs=0)
-    hits = [llm.generate([p + [7]], sp, use_tqdm=False)[0].num_cached_tokens for p in (a, b, a, b, a, b)]
+    hits = [llm.generate([[*p, 7]], sp, use_tqdm=False)[0].num_cached_tokens for p in (a, b, a, b, a, b)]
     assert hits[:2] == [0, 0] and all(h > 0 for h in hits[2:]), hits
 
 
