@@ -23,8 +23,8 @@ class Diverged(Exception):
 
 def resumable(body: dict[str, Any]) -> bool:
     """Whether another replica would stream this request's answer with the same text (and nothing else a
-    text skip would cut wrongly: no tool calls, no per-token logprobs, no prompt logprobs, which a replacement's
-    first chunk would carry a second time, 0 included)."""
+    text skip would cut wrongly: no tool calls, no per-token logprobs, no prompt logprobs or token ids, which a
+    replacement's first chunk would carry a second time, prompt_logprobs 0 included)."""
     if body.get("n") not in (None, 1) or body.get("echo") or body.get("best_of") not in (None, 1):
         return False
     prompt = body.get("prompt")
@@ -32,8 +32,8 @@ def resumable(body: dict[str, Any]) -> bool:
         return False  # a batch of prompts: its choices interleave
     if any(body.get(k) for k in ("tools", "functions", "logprobs", "top_logprobs")):
         return False
-    if body.get("prompt_logprobs") is not None:
-        return False
+    if body.get("prompt_logprobs") is not None or body.get("return_token_ids"):
+        return False  # (a replacement's first chunk would carry the prompt's again; its ids, the skipped text's)
     seed, temperature, top_k = body.get("seed"), body.get("temperature"), body.get("top_k")
     greedy = (isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature == 0) or (
         isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 1)

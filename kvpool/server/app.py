@@ -260,12 +260,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
     def prompt_of(out: RequestOutput) -> Prompt | None:
         return (out.prompt_token_ids, out.prompt_logprobs) if out.prompt_logprobs is not None else None
 
-    def prompt_logprobs(out: RequestOutput, k: int | None) -> dict[str, Any]:
-        """vLLM's `prompt_logprobs` field, when the request asks for it (else no field)."""
-        p = prompt_of(out)
-        if k is None or p is None:
-            return {}
-        return {"prompt_logprobs": prompt_logprobs_json(p, k, engine.engine.token_texts)}
+    def prompt_fields(out: RequestOutput, k: int | None, ids: bool) -> dict[str, Any]:
+        """The prompt's fields vLLM adds when asked: `prompt_logprobs` (k top tokens) and `prompt_token_ids`
+        (return_token_ids); none until all asked for are known (n > 1: child 0 computes the log-probabilities)."""
+        fields: dict[str, Any] = {}
+        if k is not None:
+            p = prompt_of(out)
+            if p is None:
+                return {}
+            fields["prompt_logprobs"] = prompt_logprobs_json(p, k, engine.engine.token_texts)
+        if ids:
+            fields["prompt_token_ids"] = out.prompt_token_ids
+        return fields
 
     def sse(streams: Sequence[RequestStream],
             chunk: Callable[[str, CompletionOutput, bool, dict[str, Any] | None], dict[str, Any]],
@@ -273,7 +279,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             first: Sequence[dict[str, Any]] = (), first_prompt_tokens: int = 0,
             model: str = model_name, shape: Callable[[int, RequestOutput], RequestOutput] | None = None,
             prompt_extra: Callable[[RequestOutput], dict[str, Any]] | None = None, extra_in_choice: bool = True,
-            echo: bool = False) -> StreamingResponse:
+            echo: bool = False, token_ids: bool = False) -> StreamingResponse:
         """The streams' chunks: one choice each (n > 1 or a batch of prompts: the choices interleave, each
         by its index, as OpenAI's and vLLM's do), a choice's text held back as `_TextDeltas` says, its
         finish_reason on its last chunk. `options.include_usage`: a last chunk with the usage (null in the
@@ -281,10 +287,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         far, its prompt's tokens and the choice's (vLLM's; `first` chunks: `first_prompt_tokens` and none).
         `shape(i, out)`: prompt i's output as the client sees it (echo); `prompt_extra(out)`: fields a
         choice's first chunk carries once they are known (prompt_logprobs: n > 1, child 0 computes them), in
-        the choice or at the top; `echo`: the logprobs start with the prompt's."""
+        the choice or at the top; `echo`: the logprobs start with the prompt's; `token_ids`: each chunk's choice
+        carries the ids of the tokens since its last chunk (vLLM's return_token_ids)."""
         deltas = [_TextDeltas(params) for _ in range(len(streams) * params.n)]
         ended = [False] * len(deltas)
         opened = [False] * len(deltas)
+        ids_sent = [0] * len(deltas)
         logprobs = [logprobs_writer(params, obj.startswith("chat"), echo) for _ in deltas]
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options is not None and options.continuous_usage_stats
@@ -313,6 +321,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                             ended[o.index] = final
                             w = logprobs[o.index]
                             body = chunk(text, o, final, w.next(o.logprobs, prompt_of(out)) if w else None)
+                            if token_ids:
+                                body["choices"][0]["token_ids"] = o.token_ids[ids_sent[o.index]:]
+                                ids_sent[o.index] = len(o.token_ids)
                             extra = prompt_extra(out) if prompt_extra is not None and not opened[o.index] else None
                             if extra:
                                 opened[o.index] = True
@@ -534,11 +545,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             return sse(streams, lambda t, o, f, lp: {"id": rid, "object": "text_completion", "created": stamp,
                                                      "model": served, "choices": [choice(t, o, f, lp)]},
                        params, body.stream_options, rid, "text_completion", stamp, model=served, shape=shape,
-                       prompt_extra=lambda out: prompt_logprobs(out, asked), echo=body.echo)
+                       prompt_extra=lambda out: prompt_fields(out, asked, body.return_token_ids), echo=body.echo,
+                       token_ids=body.return_token_ids)
         outs = [shape(i, out) for i, out in enumerate(await finish(request, streams, params.n))]
         return JSONResponse({"id": rid, "object": "text_completion", "created": stamp, "model": served,
                              "choices": [{**choice(o.text, o, True, whole_logprobs(params, out, o, False, body.echo)),
-                                          **prompt_logprobs(out, asked)}
+                                          **prompt_fields(out, asked, body.return_token_ids),
+                                          **({"token_ids": o.token_ids} if body.return_token_ids else {})}
                                          for out in outs for o in out.outputs],
                              "usage": usage_json(outs)})
 
@@ -575,13 +588,16 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             opening = [chunk("", None, False, None, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
             return sse([stream], chunk, params, body.stream_options, rid, "chat.completion.chunk", stamp,
                        first=opening, first_prompt_tokens=len(ids), model=served,
-                       prompt_extra=lambda out: prompt_logprobs(out, body.prompt_logprobs), extra_in_choice=False)
+                       prompt_extra=lambda out: prompt_fields(out, body.prompt_logprobs, body.return_token_ids),
+                       extra_in_choice=False, token_ids=body.return_token_ids)
         [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,
                              "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                                           "logprobs": whole_logprobs(params, out, o, chat=True),
-                                          **finish_fields(o, True)}
+                                          **finish_fields(o, True),
+                                          **({"token_ids": o.token_ids} if body.return_token_ids else {})}
                                          for o in out.outputs],
-                             "usage": usage_json([out]), **prompt_logprobs(out, body.prompt_logprobs)})
+                             "usage": usage_json([out]),
+                             **prompt_fields(out, body.prompt_logprobs, body.return_token_ids)})
 
     return app

@@ -57,7 +57,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "truncate_prompt_tokens": _none_or(),
     "skip_special_tokens": _none_or_flag(True),
     "spaces_between_special_tokens": _none_or_flag(True),
-    "return_token_ids": _none_or_flag(False),
     # ... and chat's (on /v1/completions `echo` is a field of its own).
     "echo": _none_or_flag(False),
     "add_generation_prompt": _none_or_flag(True),
@@ -96,6 +95,9 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) -> [-100, 100]
     # vLLM's: each prompt token's log-probability and this many top tokens' (the response's prompt_logprobs)
     prompt_logprobs: Any = None
+    # vLLM's: the prompt's token ids and each choice's (completions: in the choice; chat: prompt_token_ids at the
+    # top), streamed with the chunks that bring them (the prompt's in a choice's first chunk)
+    return_token_ids: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False

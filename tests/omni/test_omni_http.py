@@ -160,6 +160,8 @@ BAD = [
     ("logprobs", chat(None, logprobs=True), "logprobs", "logprobs: not supported by the omni server"),
     ("prompt_logprobs", chat(None, prompt_logprobs=0), "prompt_logprobs",
      "prompt_logprobs: not supported by the omni server"),
+    ("return_token_ids", chat(None, return_token_ids=True), "return_token_ids",
+     "return_token_ids: not supported by the omni server"),
     ("max_tokens", chat(None, max_tokens=0), "max_tokens", "max_tokens: must be an int >= 1, got 0"),
     # The field the client sent, as kvpool serve names it (not the engine's max_tokens).
     ("max_completion_tokens", chat(None, max_completion_tokens=0), "max_completion_tokens",

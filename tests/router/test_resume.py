@@ -41,6 +41,8 @@ def chat(delta: dict[str, Any], finish: str | None = None, id_: str = "chatcmpl-
     ({"temperature": 0, "top_logprobs": 3}, False),
     ({"temperature": 0, "prompt_logprobs": 0}, False),  # (the replacement's first chunk would carry them again)
     ({"temperature": 0, "prompt_logprobs": None}, True),
+    ({"temperature": 0, "return_token_ids": True}, False),
+    ({"temperature": 0, "return_token_ids": False}, True),
     ({"temperature": 0, "tools": []}, True),
     ({"temperature": 0, "prompt": ["a", "b"]}, False),  # (a batch's choices interleave)
     ({"temperature": 0, "prompt": [[1, 2], [3]]}, False),

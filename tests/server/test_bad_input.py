@@ -68,7 +68,7 @@ CASES = [
     ("/v1/chat/completions", json.dumps({**CHAT, "logprobs": True, "top_logprobs": 21}).encode(), 400, "top_logprobs",
      "top_logprobs: must be an int in [0, 20], got 21"),
     ("/v1/completions", body(presence_penalty=2.5), 400, "presence_penalty", "presence_penalty: must be in [-2, 2]"),
-    ("/v1/completions", body(return_token_ids=True), 400, "return_token_ids", "return_token_ids: not supported"),
+    ("/v1/completions", body(return_token_ids=2), 400, "return_token_ids", "return_token_ids: Input should be a valid"),
     ("/v1/completions", body(stream=True, stream_options={"include_usage": True, "every_chunk": True}), 400,
      "stream_options.every_chunk", "stream_options.every_chunk: Extra inputs are not permitted"),
     ("/v1/completions", body(cache_salt=""), 400, "cache_salt", "cache_salt"),

@@ -390,6 +390,34 @@ def test_prompt_logprobs_as_vllm_returns_them(server: ServerHandle, offline) -> 
         assert e.status_code == 400 and e.json()["error"]["param"] == "prompt_logprobs", bad
 
 
+def test_return_token_ids_as_vllm_returns_them(server: ServerHandle, offline) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's (completions: in the choice; chat: the
+    prompt's at the top), streamed with the chunks that bring them, the prompt's in the first."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    ids = offline.encode(prompt)
+    _, want = offline_text(offline, ids, 5)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    c = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert c["prompt_token_ids"] == ids and c["token_ids"] == want and c["text"] == offline.decode(want)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in ch for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch["token_ids"]] == want
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "return_token_ids": False}, timeout=60).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+    messages = [{"role": "user", "content": prompt}]
+    chat_ids = offline.apply_chat_template(messages)
+    _, chat_want = offline_text(offline, chat_ids, 4)
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert r["prompt_token_ids"] == chat_ids and r["choices"][0]["token_ids"] == chat_want
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [e.get("prompt_token_ids") for e in events if "prompt_token_ids" in e] == [chat_ids]
+    assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == chat_want
+
+
 def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: ServerHandle) -> None:
     """Content given as several text parts is the parts joined by a line break (vLLM's prompt, so its
     cached blocks too), not run together."""
