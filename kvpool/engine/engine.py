@@ -510,6 +510,9 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= self.runner.num_logits:
             raise ValueError(f"logit_bias: token ids must be in [0, {self.runner.num_logits}), got "
                              f"{max(params.logit_bias)}")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.runner.num_logits:
+            raise ValueError(f"allowed_token_ids: token ids must be in [0, {self.runner.num_logits}), got "
+                             f"{max(params.allowed_token_ids)}")
         if params.stop and self.detokenizer is None:
             raise ValueError("stop: stop strings need the tokenizer to read the output (this engine was made with "
                              "skip_tokenizer_init=True); use stop_token_ids")
@@ -537,6 +540,13 @@ class LLMEngine:
             ids = self.encode(prompt)
         else:
             text, ids = None, list(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            if mm_inputs or mm_items:
+                raise ValueError("truncate_prompt_tokens: not with images (it would cut their tokens)")
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(ids) > keep:  # (vLLM's: the prompt's last `keep` tokens; the text is no longer the prompt's)
+                text, ids = None, ids[-keep:]
         self._check_prompt_ids(ids)
         rid = request_id
         if rid is None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 # sharing the prompt's blocks (kvpool.engine.parallel_sampling).
 MAX_N = 128
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (every step adds them to its logits)
+MAX_ALLOWED_TOKENS = 1 << 17  # tokens one request may restrict its sampling to (more than any vocabulary)
 MAX_LOGPROBS = 20  # top tokens' log-probabilities per sampled token at most (OpenAI's and vLLM's default bound)
 
 
@@ -44,6 +45,10 @@ class SamplingParams:
     min_tokens: int = 0
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit (greedy requests too).
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens may be drawn (greedy requests too; logprobs stay the model's own distribution).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last this many tokens (-1: as many as the context holds, less one to generate).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +89,17 @@ class SamplingParams:
                     raise ValueError(f"logit_bias: keys are token ids (ints >= 0), got {t!r}")
                 if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
                     raise ValueError(f"logit_bias: {t}: a bias in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            a = self.allowed_token_ids
+            if not isinstance(a, list | tuple) or not a:
+                raise ValueError(f"allowed_token_ids: a non-empty list of token ids, got {a!r:.60}")
+            if len(a) > MAX_ALLOWED_TOKENS:
+                raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKENS} tokens, got {len(a)}")
+            if not all(type(t) is int and t >= 0 for t in a):
+                raise ValueError("allowed_token_ids: every entry must be a token id (an int >= 0)")
+        t = self.truncate_prompt_tokens
+        if t is not None and (type(t) is not int or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens: an int >= 1, or -1 (the context's length), got {t!r}")
         if number("repetition_penalty") <= 0:
             raise ValueError(f"repetition_penalty: must be > 0 (1: off), got {self.repetition_penalty}")
         if number("temperature") < 0:

@@ -46,6 +46,7 @@ from kvpool.runner.sampler import (
     History,
     SamplingLike,
     TokenLogprobs,
+    allowed,
     biases,
     is_greedy,
     sample,
@@ -727,7 +728,7 @@ class ModelRunner:
             # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
         elif all(is_greedy(s.sampling) and s.logprobs is None and s.history is None and s.banned is None
-                 and not biases(s.sampling) for s in want):
+                 and not biases(s.sampling) and not allowed(s.sampling) for s in want):
             # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
             tokens = self.model.greedy_tokens(last, self._argmax_rows).tolist()
             return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}

@@ -64,15 +64,21 @@ def biases(p: SamplingLike | None) -> dict[int, float] | None:
     return getattr(p, "logit_bias", None) or None
 
 
+def allowed(p: SamplingLike | None) -> list[int] | None:
+    """A request's allowed_token_ids, if any (the only tokens it may draw)."""
+    return getattr(p, "allowed_token_ids", None) or None
+
+
 def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[torch.Generator | None],
            histories: Sequence[History | None] | None = None,
            banned: Sequence[Sequence[int] | None] | None = None) -> list[int]:
     """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id). Rows with
-    a logit_bias, a history (penalties) or banned tokens (never drawn) have their logits changed first, on a
-    copy: the caller's stay the model's (its logprobs are read from them)."""
+    a logit_bias, a history (penalties), banned tokens (never drawn) or allowed tokens (the only ones drawn)
+    have their logits changed first, on a copy: the caller's stay the model's (its logprobs are read from
+    them)."""
     hist = histories or [None] * len(params)
     ban = banned or [None] * len(params)
-    changed = [i for i, p in enumerate(params) if biases(p) or hist[i] is not None or ban[i]]
+    changed = [i for i, p in enumerate(params) if biases(p) or hist[i] is not None or ban[i] or allowed(p)]
     if changed:
         logits = logits.clone()
         for i in changed:
@@ -84,9 +90,18 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
             h = hist[i]
             if h is not None:
                 apply_penalties(logits[i], h, params[i])  # type: ignore[arg-type]
+            only = allowed(params[i])
+            if only:  # (its ids are checked against the LM head's width when the request is made)
+                keep = torch.full_like(logits[i], float("-inf"))
+                ids = torch.tensor(only, dtype=torch.long, device=logits.device)
+                keep[ids] = logits[i, ids]
+                logits[i] = keep
             stops = [t for t in ban[i] or () if t < logits.shape[1]]
-            if stops and len(stops) < logits.shape[1]:  # (stop tokens covering the vocabulary: none to ban)
-                logits[i, stops] = float("-inf")
+            if stops:
+                row = logits[i].clone()
+                row[stops] = float("-inf")
+                if torch.isfinite(row).any():  # (stop tokens covering every token it may draw: none banned)
+                    logits[i] = row
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for i, p in enumerate(params):

@@ -525,12 +525,16 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise
         rid, stamp = f"cmpl-{streams[0].request_id}", int(time.time())  # (one `created` for every chunk)
         asked = body.prompt_logprobs  # (echo with logprobs computes them too, shown in `logprobs` only)
+        truncated: dict[int, str] = {}
 
         def shape(i: int, out: RequestOutput) -> RequestOutput:
             """The prompt's text before each choice's; with max_tokens 0 the prompt alone (the token the
             engine sampled to finish the prompt is dropped: the choice ends by its length, 0)."""
             if not body.echo:
                 return out
+            if body.truncate_prompt_tokens is not None and i not in truncated:  # (the prompt the engine ran)
+                truncated[i] = engine.engine.decode(out.prompt_token_ids)
+                echoed[i] = truncated[i]
             if body.echo_only:
                 return replace(out, outputs=[
                     replace(c, text=echoed[i], token_ids=[], logprobs=[] if c.logprobs is not None else None,

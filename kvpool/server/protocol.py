@@ -52,9 +52,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # vLLM's extensions that change the tokens or the text (their no-op values as vLLM defaults them).
     "use_beam_search": _none_or_flag(False),
     "length_penalty": _none_or(1),
-    "allowed_token_ids": _none_or(),
     "bad_words": lambda v: v is None or v == [],
-    "truncate_prompt_tokens": _none_or(),
     "skip_special_tokens": _none_or_flag(True),
     "spaces_between_special_tokens": _none_or_flag(True),
     # ... and chat's (on /v1/completions `echo` is a field of its own).
@@ -98,6 +96,8 @@ class _SamplingFields(BaseModel):
     # vLLM's: the prompt's token ids and each choice's (completions: in the choice; chat: prompt_token_ids at the
     # top), streamed with the chunks that bring them (the prompt's in a choice's first chunk)
     return_token_ids: bool = False
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be drawn
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: what fits)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -148,7 +148,8 @@ class _SamplingFields(BaseModel):
             seed=self.seed, ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs(),
-            prompt_logprobs=self._prompt_logprobs())
+            prompt_logprobs=self._prompt_logprobs(), allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

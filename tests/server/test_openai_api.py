@@ -332,6 +332,11 @@ def test_echo_scores_a_text_as_lm_eval_asks(server: ServerHandle, offline) -> No
     assert [ch["text"] for ch in rb["choices"]] == [offline.decode(p) + offline_text(offline, p, 2)[0]
                                                     for p in (ids, ids[:4])]
     assert rb["choices"][0]["logprobs"] is None and rb["usage"]["completion_tokens"] == 4
+    # truncate_prompt_tokens: the prompt the engine ran is the one echoed.
+    rt = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0, "truncate_prompt_tokens": 3},
+                    timeout=60).json()
+    assert rt["choices"][0]["text"] == offline.decode(ids[-3:]) and rt["usage"]["prompt_tokens"] == 3
+    assert rt["choices"][0]["logprobs"]["tokens"] == offline.token_texts(ids[-3:])
     bad = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False, "max_tokens": 0}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     assert "0 only with echo" in bad.json()["error"]["message"]
