@@ -107,15 +107,22 @@ class Scheduler:
         return end - num_computed if end > num_computed else num_new
 
     @staticmethod
-    def _prompt_blocks(req: Request) -> list[bytes]:
+    def _prompt_blocks(req: Request, start: int = 0) -> list[bytes]:
+        """The hashes of a scoring request's full prompt blocks from the one holding position `start` on."""
         bs = req.prompt_rows.block_size if req.prompt_rows is not None else 0
-        return req.block_hashes[:req.num_prompt_tokens // bs] if bs else []
+        return req.block_hashes[start // bs:req.num_prompt_tokens // bs] if bs else []
+
+    @staticmethod
+    def _rows_to_come(req: Request) -> list[bytes]:
+        """The blocks whose rows a running scoring request will still write (those before were written, or
+        hit: if they are gone from the cache now, waiting for it would bring them back)."""
+        return Scheduler._prompt_blocks(req, req.num_computed_tokens)
 
     @staticmethod
     def _waits_for_rows(req: Request, scoring: set[bytes]) -> bool:
         """A request scoring its prompt (prompt_logprobs) waits while another one computes the rows of its
-        first block missing from the prompt-row cache: a step or a few later it hits them, where admitted
-        now it would compute them a second time (evaluation harnesses send many continuations of one
+        first block missing from the prompt-row cache (`scoring`: the blocks running ones will still write):
+        a step or a few later it hits them, where admitted now it would compute them a second time (evaluation harnesses send many continuations of one
         context at once). It never waits on itself, nor on a request that is not running, nor when the cache
         cannot hold its prompt's rows (they would be evicted before it read them)."""
         n = req.max_hit_blocks or 0
@@ -177,7 +184,7 @@ class Scheduler:
                 continue
             if req.scoring_prompt and req.prompt_rows is not None:
                 if scoring is None:
-                    scoring = {h for r in self.running if r.scoring_prompt for h in self._prompt_blocks(r)}
+                    scoring = {h for r in self.running if r.scoring_prompt for h in self._rows_to_come(r)}
                 if self._waits_for_rows(req, scoring):
                     passed.append(self.waiting.popleft())
                     continue
@@ -205,7 +212,7 @@ class Scheduler:
             if req.lora_name is not None:
                 loras.add(req.lora_name)
             if scoring is not None and req.scoring_prompt:
-                scoring.update(self._prompt_blocks(req))
+                scoring.update(self._rows_to_come(req))
         self.waiting.extendleft(reversed(passed))
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
