@@ -498,6 +498,17 @@ class LLMEngine:
         `get_default_sampling_params`)."""
         return SamplingParams(**self.sampling_defaults)
 
+    def truncated_length(self, num_tokens: int, params: SamplingParams) -> int:
+        """A prompt's length after `truncate_prompt_tokens` (its last k tokens; -1: what the context holds, one
+        token left to generate); a k the context cannot hold is refused, as vLLM's."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return num_tokens
+        if keep >= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: must be below the context's length ({self.max_model_len}; "
+                             f"-1 keeps {self.max_model_len - 1}), got {keep}")
+        return min(num_tokens, self.max_model_len - 1 if keep == -1 else keep)
+
     def make_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                      request_id: str | None = None, lora_id: int | str | None = None,
                      cache_salt: str | None = None, mm_items: Sequence[MultiModalItem] = (),
@@ -540,11 +551,10 @@ class LLMEngine:
             ids = self.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
+        if params.truncate_prompt_tokens is not None:
             if mm_inputs or mm_items:
                 raise ValueError("truncate_prompt_tokens: not with images (it would cut their tokens)")
-            keep = self.max_model_len - 1 if keep == -1 else keep
+            keep = self.truncated_length(len(ids), params)
             if len(ids) > keep:  # (vLLM's: the prompt's last `keep` tokens; the text is no longer the prompt's)
                 text, ids = None, ids[-keep:]
         self._check_prompt_ids(ids)

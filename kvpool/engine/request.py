@@ -172,7 +172,9 @@ class Request(CacheRequest):
     def check_stop_token(self) -> bool:
         """After a token is appended: finished by a stop token or the length limit?"""
         last = self.all_token_ids[-1]
-        if last in self._stop_tokens:
+        # (no stop token ends it before min_tokens, as vLLM's: the sampler bans them, unless the ban would
+        # leave nothing to draw, e.g. allowed_token_ids that are all stop tokens)
+        if last in self._stop_tokens and self.num_output_tokens >= self.sampling_params.min_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
             # vLLM's stop_reason: the token when it is one of the request's stop_token_ids; None for EOS.
             self.stop_reason = last if last in self.sampling_params.stop_token_ids else None

@@ -122,9 +122,10 @@ class Scheduler:
     def _waits_for_rows(req: Request, scoring: set[bytes]) -> bool:
         """A request scoring its prompt (prompt_logprobs) waits while another one computes the rows of its
         first block missing from the prompt-row cache (`scoring`: the blocks running ones will still write):
-        a step or a few later it hits them, where admitted now it would compute them a second time (evaluation harnesses send many continuations of one
-        context at once). It never waits on itself, nor on a request that is not running, nor when the cache
-        cannot hold its prompt's rows (they would be evicted before it read them)."""
+        a step or a few later it hits them, where admitted now it would compute them a second time
+        (evaluation harnesses send many continuations of one context at once). It never waits on itself, nor
+        on a request that is not running, nor when the cache cannot hold its prompt's rows (they would be
+        evicted before it read them)."""
         n = req.max_hit_blocks or 0
         blocks = Scheduler._prompt_blocks(req)
         return (n < len(blocks) and blocks[n] in scoring and req.prompt_rows is not None

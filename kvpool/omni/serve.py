@@ -269,6 +269,8 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
             raise APIError(400, "prompt_logprobs: not supported by the omni server", "prompt_logprobs")
         if body.return_token_ids:
             raise APIError(400, "return_token_ids: not supported by the omni server", "return_token_ids")
+        if body.truncate_prompt_tokens is not None:  # (the talker speaks the whole chat's answer)
+            raise APIError(400, "truncate_prompt_tokens: not supported by the omni server", "truncate_prompt_tokens")
         rename = body.param_renames()  # (the fields the client sent, as kvpool serve names them)
         try:
             params = body.to_sampling_params()

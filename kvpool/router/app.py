@@ -533,6 +533,9 @@ class Router:
         """What the request is routed by (tokenized as a replica would, hashed as a replica hashes)."""
         with self._tok_lock:
             tokens, salt, images, before_images = self._tokens_of(path, body)
+        keep = body.get("truncate_prompt_tokens")
+        if type(keep) is int and keep > 0 and tokens and images is None:
+            tokens = tokens[-keep:]  # (what the replica runs; -1 depends on its context: left as sent)
         model = body.get("model")
         try:
             if images is None:

@@ -503,6 +503,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                            "prompt")
         streams: list[RequestStream] = []
         echoed: list[str] = []  # each prompt's text, before its choices' texts (echo)
+        sent: list[int | None] = []  # each prompt's token count as sent (None: text), to tell a truncation
         try:
             for i, prompt in enumerate(prompts):  # (a batch: each prompt a request; all or none)
                 name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -517,6 +518,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                         prompt = await asyncio.to_thread(engine.engine.encode, prompt, False)
                     except ValueError as e:
                         raise APIError.from_value_error(e, {"prompt": name}) from None
+                sent.append(len(prompt) if isinstance(prompt, list) else None)
                 streams.append(await start(prompt, params, body.cache_salt, lora=lora,
                                            rename={"prompt_token_ids": name, "prompt": name}))
         except BaseException:
@@ -532,9 +534,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             engine sampled to finish the prompt is dropped: the choice ends by its length, 0)."""
             if not body.echo:
                 return out
-            if body.truncate_prompt_tokens is not None and i not in truncated:  # (the prompt the engine ran)
-                truncated[i] = engine.engine.decode(out.prompt_token_ids)
-                echoed[i] = truncated[i]
+            if i not in truncated and (out.prompt is None if sent[i] is None
+                                       else len(out.prompt_token_ids) < sent[i]):
+                truncated[i] = echoed[i] = engine.engine.decode(out.prompt_token_ids)  # (the prompt the engine ran)
             if body.echo_only:
                 return replace(out, outputs=[
                     replace(c, text=echoed[i], token_ids=[], logprobs=[] if c.logprobs is not None else None,
@@ -588,11 +590,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                                  "logprobs": logprobs, **finish_fields(out, final)}]}
 
         if body.stream:
-            # Each choice opens with the assistant's role, as vLLM's do.
+            # Each choice opens with the assistant's role, as vLLM's do; the first chunk of all carries the prompt's
+            # token ids (return_token_ids), as vLLM's. (The request was made: its truncation is valid.)
+            n_prompt = engine.engine.truncated_length(len(ids), params)
             opening = [chunk("", None, False, None, i, {"role": "assistant", "content": ""}) for i in range(params.n)]
+            if body.return_token_ids:
+                opening[0]["prompt_token_ids"] = ids[len(ids) - n_prompt:]
             return sse([stream], chunk, params, body.stream_options, rid, "chat.completion.chunk", stamp,
-                       first=opening, first_prompt_tokens=len(ids), model=served,
-                       prompt_extra=lambda out: prompt_fields(out, body.prompt_logprobs, body.return_token_ids),
+                       first=opening, first_prompt_tokens=n_prompt, model=served,
+                       prompt_extra=lambda out: prompt_fields(out, body.prompt_logprobs, False),
                        extra_in_choice=False, token_ids=body.return_token_ids)
         [out] = await finish(request, [stream])
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": served,

@@ -51,8 +51,18 @@ def test_truncation_runs_the_prompts_last_tokens(llm: LLM) -> None:
     long = list(range(5, 55))  # 50 tokens: over the context of 40
     fit = llm.generate([long], SamplingParams.greedy(1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert fit.prompt_token_ids == long[-39:]  # (what the context holds, one token left to generate)
-    same = llm.generate([PROMPT], SamplingParams.greedy(2, truncate_prompt_tokens=100), use_tqdm=False)[0]
+    same = llm.generate([PROMPT], SamplingParams.greedy(2, truncate_prompt_tokens=39), use_tqdm=False)[0]
     assert same.prompt_token_ids == PROMPT
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens: must be below the context's length \(40"):
+        llm.generate([PROMPT], SamplingParams.greedy(1, truncate_prompt_tokens=40), use_tqdm=False)
+
+
+def test_allowed_stop_tokens_do_not_end_it_before_min_tokens(llm: LLM) -> None:
+    """Only a stop token allowed, min_tokens 3: the ban gives way (nothing else may be drawn), and the stop
+    token ends the answer only once min_tokens are out, as vLLM's stop check reads it."""
+    sp = SamplingParams.greedy(5, allowed_token_ids=[7], stop_token_ids=[7], min_tokens=3)
+    out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+    assert out.token_ids == [7, 7, 7] and out.outputs[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("kw,msg", [

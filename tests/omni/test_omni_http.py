@@ -162,6 +162,8 @@ BAD = [
      "prompt_logprobs: not supported by the omni server"),
     ("return_token_ids", chat(None, return_token_ids=True), "return_token_ids",
      "return_token_ids: not supported by the omni server"),
+    ("truncate_prompt_tokens", chat(None, truncate_prompt_tokens=5), "truncate_prompt_tokens",
+     "truncate_prompt_tokens: not supported by the omni server"),
     ("max_tokens", chat(None, max_tokens=0), "max_tokens", "max_tokens: must be an int >= 1, got 0"),
     # The field the client sent, as kvpool serve names it (not the engine's max_tokens).
     ("max_completion_tokens", chat(None, max_completion_tokens=0), "max_completion_tokens",

@@ -120,6 +120,10 @@ def test_router_hashes_like_the_replicas_including_the_salt() -> None:
     assert r.route_key("/v1/completions", {"prompt": toks, "cache_salt": "s"}) == RouteKey(r.block_hashes(toks, "s"),
                                                                                             servable=2)
     assert r.route_key("/v1/completions", {"prompt": "text"}) == RouteKey([])  # no tokenizer: route by load
+    # truncate_prompt_tokens: the prompt the replica runs, its last k tokens (-1: as sent)
+    cut = r.route_key("/v1/completions", {"prompt": toks, "truncate_prompt_tokens": 5})
+    assert cut == RouteKey(r.block_hashes(toks[-5:], None), servable=1)
+    assert r.route_key("/v1/completions", {"prompt": toks, "truncate_prompt_tokens": -1}).hashes == plain
 
 
 def test_a_prompt_of_whole_blocks_is_matched_on_what_a_replica_serves() -> None:

@@ -419,8 +419,19 @@ def test_return_token_ids_as_vllm_returns_them(server: ServerHandle, offline) ->
     assert r["prompt_token_ids"] == chat_ids and r["choices"][0]["token_ids"] == chat_want
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == chat_ids  # (the first chunk of all, as vLLM's: the role's)
     assert [e.get("prompt_token_ids") for e in events if "prompt_token_ids" in e] == [chat_ids]
     assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == chat_want
+    # Truncated: the ids and every chunk's usage are the truncated prompt's, the role chunk's too.
+    cut = {**chat, "stream": True, "truncate_prompt_tokens": 5,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=cut, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == chat_ids[-5:]
+    assert {e["usage"]["prompt_tokens"] for e in events} == {5}
+    events = [e for e in events if e["choices"]]  # (less the last, usage-only chunk)
+    _, cut_want = offline_text(offline, chat_ids[-5:], 4)
+    assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == cut_want
 
 
 def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: ServerHandle) -> None:
