@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvpool.core.events import KVCacheEvent
+from kvpool.engine.chat_template import ChatOptions
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import RequestOutput
@@ -186,9 +187,10 @@ class AsyncEngine:
         """The LoRA adapters loaded (kvpool serve --lora-modules)."""
         return self.engine.list_loras()
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def apply_chat_template(self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+                                  ) -> list[int]:
         """The prompt token ids of a chat (on a worker thread: the engine tokenizes safely off its thread)."""
-        return await asyncio.to_thread(self.engine.apply_chat_template, messages)
+        return await asyncio.to_thread(self.engine.apply_chat_template, messages, True, options)
 
     async def chat_prefix(self, messages: list[dict[str, Any]]) -> list[int]:
         """`LLMEngine.chat_prefix`, off the event loop (and off the engine thread)."""
@@ -206,10 +208,10 @@ class AsyncEngine:
 
         return await self.call(reset)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> list[int]:
         """`apply_chat_template`, blocking: for code already off the event loop (the tokenizer has its own lock,
         so any thread may call it while the engine thread steps)."""
-        return self.engine.apply_chat_template(messages)
+        return self.engine.apply_chat_template(messages, True, options)
 
     @property
     def images(self) -> ImageInputs | None:

@@ -28,6 +28,7 @@ from kvpool.core.kv_cache_spec import MambaSpec
 from kvpool.core.pins import Pin, PinSet, PrefixNotCached
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.core.stats import PrefixCacheStats
+from kvpool.engine.chat_template import ChatOptions, render_chat
 from kvpool.engine.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig, parse_size
 from kvpool.engine.generation_defaults import read_defaults
 from kvpool.engine.lora_request import LoRARegistry, LoRARequest
@@ -444,7 +445,10 @@ class LLMEngine:
         with self._tokenizer_lock:
             return list(self.tokenizer.convert_ids_to_tokens(list(token_ids)))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            options: ChatOptions | None = None) -> list[int]:
+        """The chat's token ids under the model's template; `options` (kvpool.engine.chat_template) over
+        `add_generation_prompt`."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         flat = []
@@ -468,13 +472,12 @@ class LLMEngine:
 
         try:
             with self._tokenizer_lock:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=True)
+                return render_chat(self.tokenizer, messages,
+                                   options or ChatOptions(add_generation_prompt=add_generation_prompt))
         except TemplateError as e:  # the template's own check (`raise_exception`): roles that must alternate
             raise ValueError(f"messages: the model's chat template refused them: {e}") from None
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        return list(ids)
+        except ValueError as e:  # transformers' own (continue_final_message: a last message it cannot find)
+            raise ValueError(f"messages: {e}") from None
 
     def chat_prefix(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids that every chat starting with `messages` (a system prompt, few-shot turns) starts

@@ -269,6 +269,13 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
             raise APIError(400, "prompt_logprobs: not supported by the omni server", "prompt_logprobs")
         if body.return_token_ids:
             raise APIError(400, "return_token_ids: not supported by the omni server", "return_token_ids")
+        # (the pipeline renders its own prompt, the assistant's turn opened)
+        template = {"add_generation_prompt": not body.add_generation_prompt,
+                    "continue_final_message": body.continue_final_message,
+                    "chat_template_kwargs": bool(body.chat_template_kwargs)}
+        for name, set_ in template.items():
+            if set_:
+                raise APIError(400, f"{name}: not supported by the omni server", name)
         if body.truncate_prompt_tokens is not None:  # (the talker speaks the whole chat's answer)
             raise APIError(400, "truncate_prompt_tokens: not supported by the omni server", "truncate_prompt_tokens")
         rename = body.param_renames()  # (the fields the client sent, as kvpool serve names them)

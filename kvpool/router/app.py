@@ -50,6 +50,7 @@ from kvpool.core import hit_rules
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.hit_rules import GroupRule
 from kvpool.core.request import CacheRequest
+from kvpool.engine.chat_template import ChatOptions, render_chat
 from kvpool.router.admin import WATCH_POLL_S, add_admin_routes, forward_headers, while_up
 from kvpool.router.index import DEFAULT_MAX_STORE_BLOCKS, PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
@@ -562,11 +563,13 @@ class Router:
                 images = image_digest(req.messages)
                 if self.tokenizer is None:
                     return None, req.cache_salt, images, 0
-                ids = self._chat_ids(chat_messages(req.messages), True)
+                options = req.chat_options()
+                ids = self._chat_ids(chat_messages(req.messages), options)
                 if images is None:
                     return ids, req.cache_salt, None, len(ids)
                 first = next(i for i, m in enumerate(req.messages) if _has_image(m))
-                before = self._chat_ids(chat_messages(req.messages[:first]), False) if first else []
+                before = self._chat_ids(chat_messages(req.messages[:first]), ChatOptions(
+                    add_generation_prompt=False, template_kwargs=options.template_kwargs)) if first else []
                 return ids, req.cache_salt, images, len(before) if ids[:len(before)] == before else 0
             creq = CompletionRequest.model_validate(body)
             prompt = creq.prompts()[0]  # (a batch goes to one replica: routed by its first prompt)
@@ -582,9 +585,8 @@ class Router:
             log.debug("router: could not tokenize (%s)", e)
             return None, None, None, 0
 
-    def _chat_ids(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-        return list(ids if isinstance(ids, list) else ids["input_ids"])
+    def _chat_ids(self, messages: list[dict[str, str]], options: ChatOptions) -> list[int]:
+        return render_chat(self.tokenizer, messages, options)  # (the replicas' renderer: the same tokens)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

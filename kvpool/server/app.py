@@ -458,8 +458,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             if body.prompt is not None:
                 ids = await asyncio.to_thread(llm.encode, body.prompt, body.add_special_tokens)
             else:
-                ids = await asyncio.to_thread(llm.apply_chat_template, chat_messages(body.messages),
-                                              body.add_generation_prompt)
+                ids = await asyncio.to_thread(llm.apply_chat_template, chat_messages(body.messages), True,
+                                              body.chat_options())
             strs = await asyncio.to_thread(llm.token_strs, ids) if body.return_token_strs else None
         except ValueError as e:
             raise APIError.from_value_error(e) from None
@@ -571,10 +571,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         rename = body.param_renames()
         try:
             params = body.to_sampling_params(engine.engine.sampling_defaults)
+            options = body.chat_options()
             if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them
-                ids, mm = await asyncio.to_thread(chat_with_images, engine, body.messages, media, model_name)
+                ids, mm = await asyncio.to_thread(chat_with_images, engine, body.messages, media, model_name,
+                                                  options)
             else:
-                ids = await engine.apply_chat_template(body.chat_messages())
+                ids = await engine.apply_chat_template(body.chat_messages(), options)
         except ValueError as e:
             raise APIError.from_value_error(e, rename) from None
         except Exception as e:

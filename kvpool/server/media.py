@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvpool.engine.chat_template import ChatOptions
 from kvpool.runner.multimodal import MMInput
 from kvpool.server.protocol import ChatMessage
 
@@ -261,11 +262,11 @@ class ImageChatModel(Protocol):
     @property
     def takes_image_tensors(self) -> bool: ...
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> list[int]: ...
 
 
-def chat_with_images(engine: ImageChatModel, messages: Sequence[ChatMessage], opts: MediaOptions, model_name: str
-                     ) -> tuple[list[int], list[MMInput]]:
+def chat_with_images(engine: ImageChatModel, messages: Sequence[ChatMessage], opts: MediaOptions, model_name: str,
+                     chat: ChatOptions | None = None) -> tuple[list[int], list[MMInput]]:
     """The prompt's token ids and the engine's inputs for a chat holding image parts (blocking: run it off the
     event loop). Raises ValueError naming the part at fault."""
     parts = image_parts(messages)
@@ -287,7 +288,7 @@ def chat_with_images(engine: ImageChatModel, messages: Sequence[ChatMessage], op
             raise ValueError(f"{where}: {e}") from None
         del img  # (before the next one is decoded)
     try:
-        ids = engine.render_chat(_template_messages(messages, None))
+        ids = engine.render_chat(_template_messages(messages, None), chat)
     except ValueError:
         raise
     except Exception:  # e.g. a template that concatenates contents as strings; try that form below
@@ -295,7 +296,7 @@ def chat_with_images(engine: ImageChatModel, messages: Sequence[ChatMessage], op
     if ids is None or ids.count(images.image_token_id) != len(parts):
         # A template that renders only string contents: put the image token's text in place of each image.
         try:
-            ids = engine.render_chat(_template_messages(messages, images.image_token))
+            ids = engine.render_chat(_template_messages(messages, images.image_token), chat)
         except ValueError:
             raise
         except Exception as e:  # the template refused the conversation (e.g. roles out of order)

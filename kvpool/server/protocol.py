@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (response_format, tools, guided decoding, vLLM's
-beam search / allowed or bad words / special-token and chat
-template options: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`, `metadata`).
+result (response_format, tools, guided decoding, vLLM's beam search / bad words / special-token options and
+a request's own chat template: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`,
+`metadata`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvpool.engine.chat_template import ChatOptions
 from kvpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 64  # per request (OpenAI's limit is 4; vLLM's clients send more)
@@ -274,7 +275,18 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(BaseModel):
+    # vLLM's chat template options (kvpool.engine.chat_template)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        """The options as the renderer takes them; ValueError naming the field for ones that contradict."""
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
@@ -334,8 +346,9 @@ class PinRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1)
 
 
-class TokenizeRequest(BaseModel):
-    """POST /tokenize (vLLM's extension): a prompt's token ids, or a chat's (its template rendered)."""
+class TokenizeRequest(_ChatTemplateFields):
+    """POST /tokenize (vLLM's extension): a prompt's token ids, or a chat's (its template rendered, with the
+    chat template options a chat request takes)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -343,7 +356,6 @@ class TokenizeRequest(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True  # (a prompt: the tokenizer's BOS and the like, as encoding a prompt adds)
-    add_generation_prompt: bool = True  # (a chat: the assistant's turn opened, as a chat request renders it)
     return_token_strs: bool = False
 
 

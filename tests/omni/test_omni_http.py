@@ -164,6 +164,10 @@ BAD = [
      "return_token_ids: not supported by the omni server"),
     ("truncate_prompt_tokens", chat(None, truncate_prompt_tokens=5), "truncate_prompt_tokens",
      "truncate_prompt_tokens: not supported by the omni server"),
+    ("add_generation_prompt", chat(None, add_generation_prompt=False), "add_generation_prompt",
+     "add_generation_prompt: not supported by the omni server"),
+    ("chat_template_kwargs", chat(None, chat_template_kwargs={"x": 1}), "chat_template_kwargs",
+     "chat_template_kwargs: not supported by the omni server"),
     ("max_tokens", chat(None, max_tokens=0), "max_tokens", "max_tokens: must be an int >= 1, got 0"),
     # The field the client sent, as kvpool serve names it (not the engine's max_tokens).
     ("max_completion_tokens", chat(None, max_completion_tokens=0), "max_completion_tokens",

@@ -326,3 +326,23 @@ def test_health_tells_the_replicas_only_with_the_key() -> None:
     assert client.get("/health").json() == {"status": "ok"}
     full = client.get("/health", headers={"Authorization": "Bearer k"}).json()
     assert list(full["replicas"]) == ["http://127.0.0.1:9"]
+
+
+def test_a_chat_is_keyed_with_its_template_options(chat_tokenizer: Any) -> None:
+    """A chat continuing its last message, or without the assistant's turn opened, is keyed by the tokens its
+    replica runs (the same renderer), not by the default rendering."""
+    r = Router([ReplicaSpec("http://a:1")], tokenizer=chat_tokenizer, block_size=4)
+    path = "/v1/chat/completions"
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there, my friend"}]
+
+    def ids(**kw: Any) -> list[int]:
+        out = chat_tokenizer.apply_chat_template(msgs, tokenize=True, **kw)
+        return out if isinstance(out, list) else out["input_ids"]
+
+    cont = r.route_key(path, {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    assert cont.hashes == r.block_hashes(ids(add_generation_prompt=False, continue_final_message=True), None)
+    opened = r.route_key(path, {"messages": msgs})
+    assert opened.hashes == r.block_hashes(ids(add_generation_prompt=True), None) != cont.hashes
+    # Options that contradict: the replica refuses them; routed by load.
+    assert r.route_key(path, {"messages": msgs, "continue_final_message": True}) == RouteKey([])

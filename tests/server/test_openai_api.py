@@ -533,3 +533,44 @@ def test_a_stop_string_completed_by_the_min_tokens_th_token_does_not_stop(client
     held = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
                                      extra_body={"min_tokens": 3})
     assert held.usage.completion_tokens > 3
+
+
+def test_chat_template_options_as_vllm_takes_them(server: ServerHandle, offline) -> None:
+    """add_generation_prompt, continue_final_message (an answer prefilled, continued) and chat_template_kwargs,
+    rendered as the offline engine renders them; contradictions and the renderer's own names are a 400."""
+    from kvpool.engine.chat_template import ChatOptions
+
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    want = offline.apply_chat_template(msgs, options=ChatOptions(False, True))
+    assert offline.decode(want).endswith("The color is")  # (left open: no end-of-turn token after it)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert r["prompt_token_ids"] == want and r["choices"][0]["token_ids"] == offline_text(offline, want, 4)[1]
+    tok = httpx.post(f"{server.url}/tokenize", json={"messages": msgs, "add_generation_prompt": False,
+                                                       "continue_final_message": True}).json()
+    assert tok["tokens"] == want
+    closed = offline.apply_chat_template(msgs, add_generation_prompt=False)
+    assert httpx.post(f"{server.url}/tokenize", json={"messages": msgs, "add_generation_prompt": False}
+                      ).json()["tokens"] == closed != want
+    for extra, param in (({"add_generation_prompt": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"1x": 1}}, "chat_template_kwargs")):
+        e = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, (extra, e.text)
+    # (a template variable reaches the template: a harmless one changes nothing for this template)
+    ok = httpx.post(f"{server.url}/v1/chat/completions",
+                    json={**body, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60).json()
+    assert ok["prompt_token_ids"] == want
+
+
+def test_template_variables_reach_the_template(chat_llama_dir: Path) -> None:
+    from kvpool.engine.chat_template import ChatOptions
+
+    eng = make_engine(chat_llama_dir)
+    eng.tokenizer.chat_template = ("{% if greeting %}{{ greeting }}{% endif %}"
+                                   "{% for m in messages %}{{ m.content }}{% endfor %}")
+    msgs = [{"role": "user", "content": "world"}]
+    assert eng.decode(eng.apply_chat_template(msgs, options=ChatOptions(template_kwargs={"greeting": "Hello "}))
+                      ) == "Hello world"
+    assert eng.decode(eng.apply_chat_template(msgs)) == "world"

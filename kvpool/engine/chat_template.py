@@ -1,0 +1,60 @@
+"""Rendering a chat with the model's template: the options a request may set (vLLM's), and the one function
+every renderer calls (the engine, the server's image path, the router's keys), so that a router keys a chat by
+exactly the tokens its replica will run.
+
+- `add_generation_prompt` (default true): open the assistant's turn after the messages.
+- `continue_final_message`: leave the last message (an assistant's) open, to be continued: a prefilled
+  answer. Not with `add_generation_prompt` (vLLM's rule: the two contradict).
+- `chat_template_kwargs`: extra variables for the template (say `enable_thinking`); a name the renderer itself
+  takes (`tokenize`, `tools`, ...) is refused, never passed on.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@functools.cache
+def _renderer_parameters() -> frozenset[str]:
+    """Names transformers' apply_chat_template takes itself: a template variable by one of them would change
+    how the chat is rendered or returned, not what the template reads."""
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(params) - {"self", "kwargs"} | {"messages"}
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message: true leaves the last message open to be continued; "
+                             "it needs add_generation_prompt: false")
+        if not isinstance(self.template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs: a map of template variables, got "
+                             f"{type(self.template_kwargs).__name__}")
+        for k in self.template_kwargs:
+            if not isinstance(k, str) or not k.isidentifier():
+                raise ValueError(f"chat_template_kwargs: keys are template variable names, got {k!r:.40}")
+            if k in _renderer_parameters():
+                raise ValueError(f"chat_template_kwargs: {k!r} is an option of the renderer, not a template "
+                                 f"variable")
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> list[int]:
+    """The token ids of `messages` under the tokenizer's chat template and `options`."""
+    o = options or ChatOptions()
+    kw: dict[str, Any] = dict(o.template_kwargs)
+    if o.continue_final_message:  # (a keyword older transformers lack: passed only when set)
+        kw["continue_final_message"] = True
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=o.add_generation_prompt, tokenize=True,
+                                        **kw)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
