@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.core.pins import Pin, PrefixNotCached
+from kvpool.engine.chat_template import ChatOptions
 from kvpool.engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.lora_request import LoRARequest
@@ -101,16 +102,19 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Like generate, with each conversation rendered by the model's chat template."""
+        """Like generate, with each conversation rendered by the model's chat template (and vLLM's options:
+        kvpool.engine.chat_template)."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
         if isinstance(messages, dict):  # one message
             convs = [[messages]]
         elif isinstance(messages, Sequence) and messages and not isinstance(messages, str):
             convs = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
         else:
             raise ValueError("messages: a conversation (a list of {'role': ..., 'content': ...}) or a list of them")
-        ids = [self.engine.apply_chat_template(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
+        ids = [self.engine.apply_chat_template(c, options=options) for c in convs]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,

@@ -574,3 +574,16 @@ def test_template_variables_reach_the_template(chat_llama_dir: Path) -> None:
     assert eng.decode(eng.apply_chat_template(msgs, options=ChatOptions(template_kwargs={"greeting": "Hello "}))
                       ) == "Hello world"
     assert eng.decode(eng.apply_chat_template(msgs)) == "world"
+
+
+def test_llm_chat_takes_the_same_options(chat_llama_dir: Path) -> None:
+    from kvpool import LLM
+    from kvpool.engine.chat_template import ChatOptions
+
+    llm = LLM(str(chat_llama_dir), dtype="float32", num_blocks=64, block_size=BLOCK)
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    out = llm.chat(msgs, SamplingParams.greedy(2), use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt_token_ids == llm.engine.apply_chat_template(msgs, options=ChatOptions(False, True))
+    with pytest.raises(ValueError, match="continue_final_message: true leaves"):
+        llm.chat(msgs, SamplingParams.greedy(2), use_tqdm=False, continue_final_message=True)
