@@ -192,9 +192,10 @@ class AsyncEngine:
         """The prompt token ids of a chat (on a worker thread: the engine tokenizes safely off its thread)."""
         return await asyncio.to_thread(self.engine.apply_chat_template, messages, True, options)
 
-    async def chat_prefix(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def chat_prefix(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+                          ) -> list[int]:
         """`LLMEngine.chat_prefix`, off the event loop (and off the engine thread)."""
-        return await asyncio.to_thread(self.engine.chat_prefix, messages)
+        return await asyncio.to_thread(self.engine.chat_prefix, messages, template_kwargs)
 
     async def reset_prefix_cache(self) -> bool:
         """`LLMEngine.reset_prefix_cache` on the engine thread. Its KV events (every block cleared, pinned

@@ -6,7 +6,8 @@ exactly the tokens its replica will run.
 - `continue_final_message`: leave the last message (an assistant's) open, to be continued: a prefilled
   answer. Not with `add_generation_prompt` (vLLM's rule: the two contradict).
 - `chat_template_kwargs`: extra variables for the template (say `enable_thinking`); a name the renderer itself
-  takes (`tokenize`, `tools`, ...) is refused, never passed on.
+  takes (`tokenize`, `tools`, ...) or a function of the template's (`raise_exception`, `range`, ...) is
+  refused, never passed on.
 """
 
 from __future__ import annotations
@@ -20,12 +21,19 @@ from typing import Any
 
 @functools.cache
 def _renderer_parameters() -> frozenset[str]:
-    """Names transformers' apply_chat_template takes itself: a template variable by one of them would change
-    how the chat is rendered or returned, not what the template reads."""
+    """Names a template variable must not take: transformers' renderers' own parameters (it would change how the
+    chat is rendered or returned, or collide with an argument: `self`, `conversations`), and the template's
+    callable globals (jinja2's `range`, `namespace`, ...; transformers' `raise_exception`, `strftime_now`),
+    which a JSON value would replace with something no template can call."""
+    from jinja2.defaults import DEFAULT_NAMESPACE
     from transformers import PreTrainedTokenizerBase
+    from transformers.utils import chat_template_utils
 
-    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    return frozenset(params) - {"self", "kwargs"} | {"messages"}
+    names = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    render = getattr(chat_template_utils, "render_jinja_template", None)
+    if render is not None:
+        names |= set(inspect.signature(render).parameters)
+    return frozenset(names - {"kwargs"} | {"messages", "raise_exception", "strftime_now"} | set(DEFAULT_NAMESPACE))
 
 
 @dataclass(frozen=True)
@@ -45,8 +53,8 @@ class ChatOptions:
             if not isinstance(k, str) or not k.isidentifier():
                 raise ValueError(f"chat_template_kwargs: keys are template variable names, got {k!r:.40}")
             if k in _renderer_parameters():
-                raise ValueError(f"chat_template_kwargs: {k!r} is an option of the renderer, not a template "
-                                 f"variable")
+                raise ValueError(f"chat_template_kwargs: {k!r} is a name of the renderer's own (an option or a "
+                                 f"function of the template), not a template variable")
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> list[int]:

@@ -14,7 +14,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -455,7 +455,9 @@ class LLMEngine:
         for i, m in enumerate(_message_list(messages)):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise ValueError(f"messages[{i}]: each message needs a string 'role' and a 'content'")
-            content = m["content"]
+            content = m["content"] if m["content"] is not None else ""  # (OpenAI's null content: an empty one)
+            if m["role"] == "developer":
+                m = {**m, "role": "system"}  # (OpenAI's newer name for a system message, which templates know)
             if isinstance(content, list):  # content parts
                 if not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
                     raise ValueError(f"messages[{i}].content: parts are dicts with a 'type'")
@@ -479,18 +481,21 @@ class LLMEngine:
         except ValueError as e:  # transformers' own (continue_final_message: a last message it cannot find)
             raise ValueError(f"messages: {e}") from None
 
-    def chat_prefix(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prefix(self, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None = None
+                    ) -> list[int]:
         """The token ids that every chat starting with `messages` (a system prompt, few-shot turns) starts
         with: what to pin for them. Templates differ in where a system prompt goes (a turn of its own, or
         inside the first user turn), so this renders `messages` followed by two different next turns (a
-        user's; an answer after a user's message) and keeps what the two renderings have in common."""
+        user's; an answer after a user's message) and keeps what the two renderings have in common.
+        `template_kwargs`: the template variables the chats will be sent with (chat_template_kwargs)."""
+        options = ChatOptions(template_kwargs=template_kwargs or {})
         messages = _message_list(messages)
         # The turn that follows: a user's, or after a user's message the answer (templates that check the
         # roles alternate refuse two user turns in a row).
         last = messages[-1].get("role") if isinstance(messages[-1], dict) else None
         role = "assistant" if last == "user" else "user"
-        a = self.apply_chat_template([*messages, {"role": role, "content": "A"}])
-        b = self.apply_chat_template([*messages, {"role": role, "content": "Z"}])
+        a = self.apply_chat_template([*messages, {"role": role, "content": "A"}], options=options)
+        b = self.apply_chat_template([*messages, {"role": role, "content": "Z"}], options=options)
         n = 0
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1

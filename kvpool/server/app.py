@@ -373,9 +373,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         return {"id": pin.pin_id, "object": "pin", "num_tokens": pin.num_tokens, "num_blocks": len(pin.blocks),
                 "block_ids": pin.block_ids, "expires_in": left}
 
-    async def chat_prefix(messages: list[ChatMessage]) -> list[int]:
+    async def chat_prefix(messages: list[ChatMessage], template_kwargs: dict[str, Any] | None) -> list[int]:
         try:
-            return await engine.chat_prefix(chat_messages(messages))
+            return await engine.chat_prefix(chat_messages(messages), template_kwargs)
         except ValueError:
             raise
         except Exception as e:
@@ -398,7 +398,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise APIError(400, f"{where}: a pinned prefix is text only; pin the messages before the first image",
                            where)
         try:
-            prompt = body.prompt if body.messages is None else await chat_prefix(body.messages)
+            prompt = (body.prompt if body.messages is None
+                      else await chat_prefix(body.messages, body.chat_options().template_kwargs))
 
             def pin(e: Any) -> Pin:
                 return e.pin_prefix(prompt, ttl=body.ttl, cache_salt=body.cache_salt)
@@ -455,11 +456,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                                 f"the image processor)", where)
         llm = engine.engine
         try:
+            options = body.chat_options()  # (checked for a prompt too: contradictory options are refused)
             if body.prompt is not None:
                 ids = await asyncio.to_thread(llm.encode, body.prompt, body.add_special_tokens)
             else:
-                ids = await asyncio.to_thread(llm.apply_chat_template, chat_messages(body.messages), True,
-                                              body.chat_options())
+                ids = await asyncio.to_thread(llm.apply_chat_template, chat_messages(body.messages), True, options)
             strs = await asyncio.to_thread(llm.token_strs, ids) if body.return_token_strs else None
         except ValueError as e:
             raise APIError.from_value_error(e) from None

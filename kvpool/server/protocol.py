@@ -69,7 +69,22 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-class _SamplingFields(BaseModel):
+class _NullIsDefault(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_not_sent(cls, data: Any) -> Any:
+        # OpenAI's API reads an explicit null as the field's default, and clients that serialize every field
+        # send `"n": null`, `"stream": null`: an optional field that takes no None takes its default instead.
+        # (Where None is a value of its own, as max_tokens' "no bound", it stays.)
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()
+                    or type(None) in get_args(fields[k].annotation)}
+        return data
+
+
+class _SamplingFields(_NullIsDefault):
     # Fields not declared are kept aside (model_extra), never used: bookkeeping (`user`, `metadata`) passes,
     # and the ones in _UNSUPPORTED are refused unless they are no-ops.
     model_config = ConfigDict(extra="allow")
@@ -105,18 +120,6 @@ class _SamplingFields(BaseModel):
     # Requests with different salts never share cached blocks: tenant isolation against timing side channels.
     cache_salt: str | None = Field(default=None, min_length=1)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_not_sent(cls, data: Any) -> Any:
-        # OpenAI's API reads an explicit null as the field's default, and clients that serialize every field
-        # send `"n": null`, `"stream": null`: an optional field that takes no None takes its default instead.
-        # (Where None is a value of its own, as max_tokens' "no bound", it stays.)
-        if isinstance(data, dict):
-            fields = cls.model_fields
-            return {k: v for k, v in data.items()
-                    if v is not None or k not in fields or fields[k].is_required()
-                    or type(None) in get_args(fields[k].annotation)}
-        return data
 
     @field_validator("stop")
     @classmethod
@@ -275,7 +278,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class _ChatTemplateFields(BaseModel):
+class _ChatTemplateFields(_NullIsDefault):
     # vLLM's chat template options (kvpool.engine.chat_template)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -344,6 +347,11 @@ class PinRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     ttl: float | None = Field(default=None, gt=0)  # seconds; None: until DELETE /v1/pins/{id}
     cache_salt: str | None = Field(default=None, min_length=1)
+    # The template variables the chats will be sent with (their system part may read them)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(template_kwargs=self.chat_template_kwargs or {})
 
 
 class TokenizeRequest(_ChatTemplateFields):

@@ -555,6 +555,10 @@ def test_chat_template_options_as_vllm_takes_them(server: ServerHandle, offline)
                       ).json()["tokens"] == closed != want
     for extra, param in (({"add_generation_prompt": True}, "continue_final_message"),
                          ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),  # (the renderers'
+                         ({"chat_template_kwargs": {"conversations": 1}}, "chat_template_kwargs"),  # arguments)
+                         ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs"),  # (functions
+                         ({"chat_template_kwargs": {"range": 1}}, "chat_template_kwargs"),  # templates call)
                          ({"chat_template_kwargs": {"1x": 1}}, "chat_template_kwargs")):
         e = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **extra}, timeout=60)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, (extra, e.text)
@@ -562,6 +566,15 @@ def test_chat_template_options_as_vllm_takes_them(server: ServerHandle, offline)
     ok = httpx.post(f"{server.url}/v1/chat/completions",
                     json={**body, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60).json()
     assert ok["prompt_token_ids"] == want
+    # /tokenize: null options are their defaults; contradictory ones are refused even with a prompt.
+    assert httpx.post(f"{server.url}/tokenize", json={"messages": msgs, "add_generation_prompt": None,
+                                                       "continue_final_message": None}).status_code == 200
+    e = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "continue_final_message": True})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "continue_final_message"
+    # A pin takes the template variables its chats will be sent with.
+    assert httpx.post(f"{server.url}/v1/pins", json={"messages": msgs[:1], "ttl": 1,
+                                                      "chat_template_kwargs": {"enable_thinking": False}}
+                      ).status_code == 200
 
 
 def test_template_variables_reach_the_template(chat_llama_dir: Path) -> None:
@@ -574,6 +587,18 @@ def test_template_variables_reach_the_template(chat_llama_dir: Path) -> None:
     assert eng.decode(eng.apply_chat_template(msgs, options=ChatOptions(template_kwargs={"greeting": "Hello "}))
                       ) == "Hello world"
     assert eng.decode(eng.apply_chat_template(msgs)) == "world"
+    # A pin of the chats' first messages, rendered with the variables the chats carry, is their prefix.
+    eng.tokenizer.chat_template = ("{% if greeting %}{{ greeting }}{% endif %}"
+                                   "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    system = [{"role": "system", "content": "Be brief."}]
+    chat = [*system, {"role": "user", "content": "Hi"}]
+    kw = {"greeting": "Hello "}
+    pinned = eng.chat_prefix(system, kw)
+    assert eng.apply_chat_template(chat, options=ChatOptions(template_kwargs=kw))[:len(pinned)] == pinned
+    assert eng.decode(pinned).startswith("Hello <system>Be brief.")
+    # OpenAI's `developer` role is a system message, and a null content an empty one, offline as on the server.
+    assert eng.apply_chat_template([{"role": "developer", "content": None}, *chat[1:]]) == \
+        eng.apply_chat_template([{"role": "system", "content": ""}, *chat[1:]])
 
 
 def test_llm_chat_takes_the_same_options(chat_llama_dir: Path) -> None:
