@@ -68,17 +68,18 @@ class LLM:
         return self.engine.default_sampling_params()
 
     def pin_prefix(self, prompt: Prompt | None = None, *, messages: Messages | None = None, ttl: float | None = None,
-                   cache_salt: str | None = None) -> Pin:
+                   cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> Pin:
         """Keep a prefix (text or token ids: its full blocks) on the device for `ttl` seconds (None:
         until `unpin`), computing it first if it is not cached. Refused with ValueError over the pin
         budget (`pin_budget`, default 20% of the pool); never pins part of a prefix. For chats, give
         `messages` instead (a system prompt: `[{"role": "system", "content": ...}]`): what every chat that
-        starts with them shares is pinned, in whatever form the model's chat template gives it."""
+        starts with them shares is pinned, in whatever form the model's chat template gives it (with the
+        template variables those chats are sent with: `chat_template_kwargs`)."""
         eng = self.engine
         if (prompt is None) == (messages is None):
             raise ValueError("prompt: give the prefix as `prompt` or as `messages`, one of the two")
         if messages is not None:
-            prompt = eng.chat_prefix(messages)
+            prompt = eng.chat_prefix(messages, chat_template_kwargs)  # (checked there, as ChatOptions)
         try:
             return eng.pin_prefix(prompt, ttl=ttl, cache_salt=cache_salt)
         except PrefixNotCached:
