@@ -113,9 +113,13 @@ class Request(CacheRequest):
         if not self.scoring_prompt:
             return None
         rows = self.prompt_rows
-        if rows is None:
-            return 0
-        return rows.complete_prefix(self.block_hashes[:self.num_prompt_tokens // rows.block_size])
+        return 0 if rows is None else rows.complete_prefix(self.prompt_blocks())
+
+    def prompt_blocks(self, start: int = 0) -> list[bytes]:
+        """The hashes of its full prompt blocks, from the one holding position `start` on, in the prompt-row
+        cache's blocks (none without one)."""
+        bs = self.prompt_rows.block_size if self.prompt_rows is not None else 0
+        return self.block_hashes[start // bs:self.num_prompt_tokens // bs] if bs else []
 
     def prompt_logprobs_step(self, start: int, end: int) -> PromptLogprobsStep | None:
         """What the runner does for its prompt's log-probabilities when it computes positions [start, end)

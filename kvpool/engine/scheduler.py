@@ -107,16 +107,10 @@ class Scheduler:
         return end - num_computed if end > num_computed else num_new
 
     @staticmethod
-    def _prompt_blocks(req: Request, start: int = 0) -> list[bytes]:
-        """The hashes of a scoring request's full prompt blocks from the one holding position `start` on."""
-        bs = req.prompt_rows.block_size if req.prompt_rows is not None else 0
-        return req.block_hashes[start // bs:req.num_prompt_tokens // bs] if bs else []
-
-    @staticmethod
     def _rows_to_come(req: Request) -> list[bytes]:
         """The blocks whose rows a running scoring request will still write (those before were written, or
-        hit: if they are gone from the cache now, waiting for it would bring them back)."""
-        return Scheduler._prompt_blocks(req, req.num_computed_tokens)
+        hit: if they are gone from the cache now, waiting for it would not bring them back)."""
+        return req.prompt_blocks(req.num_computed_tokens)
 
     @staticmethod
     def _waits_for_rows(req: Request, scoring: set[bytes]) -> bool:
@@ -127,7 +121,7 @@ class Scheduler:
         on a request that is not running, nor when the cache cannot hold its prompt's rows (they would be
         evicted before it read them)."""
         n = req.max_hit_blocks or 0
-        blocks = Scheduler._prompt_blocks(req)
+        blocks = req.prompt_blocks()
         return (n < len(blocks) and blocks[n] in scoring and req.prompt_rows is not None
                 and req.prompt_rows.fits(len(blocks)))
 

@@ -528,7 +528,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             raise
         rid, stamp = f"cmpl-{streams[0].request_id}", int(time.time())  # (one `created` for every chunk)
         asked = body.prompt_logprobs  # (echo with logprobs computes them too, shown in `logprobs` only)
-        truncated: dict[int, str] = {}
+        truncated: set[int] = set()  # (prompts whose echo is the prompt the engine ran, decoded)
 
         def shape(i: int, out: RequestOutput) -> RequestOutput:
             """The prompt's text before each choice's; with max_tokens 0 the prompt alone (the token the
@@ -537,7 +537,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                 return out
             if i not in truncated and (out.prompt is None if sent[i] is None
                                        else len(out.prompt_token_ids) < sent[i]):
-                truncated[i] = echoed[i] = engine.engine.decode(out.prompt_token_ids)  # (the prompt the engine ran)
+                truncated.add(i)
+                echoed[i] = engine.engine.decode(out.prompt_token_ids)
             if body.echo_only:
                 return replace(out, outputs=[
                     replace(c, text=echoed[i], token_ids=[], logprobs=[] if c.logprobs is not None else None,
