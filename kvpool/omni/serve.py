@@ -263,21 +263,17 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
         if body.n != 1:
             raise APIError(400, "n: the omni server answers with one choice (the talker speaks one text); send n=1",
                            "n")
-        if body.logprobs:
-            raise APIError(400, "logprobs: not supported by the omni server", "logprobs")
-        if body.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs: not supported by the omni server", "prompt_logprobs")
-        if body.return_token_ids:
-            raise APIError(400, "return_token_ids: not supported by the omni server", "return_token_ids")
-        # (the pipeline renders its own prompt, the assistant's turn opened)
-        template = {"add_generation_prompt": not body.add_generation_prompt,
-                    "continue_final_message": body.continue_final_message,
-                    "chat_template_kwargs": bool(body.chat_template_kwargs)}
-        for name, set_ in template.items():
+        # Fields the pipeline cannot honour: per-token scores and ids (the talker speaks one text), the chat's
+        # rendering (the pipeline renders its own prompt, the assistant's turn opened) and its truncation.
+        refused = {"logprobs": bool(body.logprobs), "prompt_logprobs": body.prompt_logprobs is not None,
+                   "return_token_ids": body.return_token_ids,
+                   "add_generation_prompt": not body.add_generation_prompt,
+                   "continue_final_message": body.continue_final_message,
+                   "chat_template_kwargs": bool(body.chat_template_kwargs),
+                   "truncate_prompt_tokens": body.truncate_prompt_tokens is not None}
+        for name, set_ in refused.items():
             if set_:
                 raise APIError(400, f"{name}: not supported by the omni server", name)
-        if body.truncate_prompt_tokens is not None:  # (the talker speaks the whole chat's answer)
-            raise APIError(400, "truncate_prompt_tokens: not supported by the omni server", "truncate_prompt_tokens")
         rename = body.param_renames()  # (the fields the client sent, as kvpool serve names them)
         try:
             params = body.to_sampling_params()
