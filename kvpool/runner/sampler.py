@@ -144,6 +144,10 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
     rank: int = 1
 
+    def cut(self, k: int) -> TokenLogprobs:
+        """The same with at most `k` top tokens."""
+        return self if len(self.top) <= k else TokenLogprobs(self.token_id, self.logprob, self.top[:k], self.rank)
+
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
     """logits: (B, vocab) float32, one row per token (a sampled one, or the prompt's next); ks: how many top

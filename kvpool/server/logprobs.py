@@ -49,7 +49,7 @@ class LogprobsWriter:
         if self._echo is not None and prompt is not None:
             k, self._echo = self._echo, None  # (once: the first chunk)
             p_ids, p_lps = prompt
-            cut = [None if t is None else TokenLogprobs(t.token_id, t.logprob, t.top[:k]) for t in p_lps]
+            cut = [None if t is None else t.cut(k) for t in p_lps]
             new, ids = [*cut, *new], [*p_ids, *ids]
         self._sent = len(logprobs)
         tops = [[i for i, _ in t.top] if t is not None else [] for t in new]

@@ -110,7 +110,7 @@ class _SamplingFields(_NullIsDefault):
     # vLLM's: each prompt token's log-probability and this many top tokens' (the response's prompt_logprobs)
     prompt_logprobs: Any = None
     # vLLM's: the prompt's token ids and each choice's (completions: in the choice; chat: prompt_token_ids at the
-    # top), streamed with the chunks that bring them (the prompt's in a choice's first chunk)
+    # top), streamed with the chunks that bring them (the prompt's in a choice's first chunk; chat: the first of all)
     return_token_ids: bool = False
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be drawn
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: what fits)
