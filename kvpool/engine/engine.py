@@ -119,6 +119,7 @@ class LLMEngine:
         # A fast tokenizer may refuse concurrent use ("Already borrowed"); the server encodes on its
         # handler threads while the engine thread decodes.
         self._tokenizer_lock = threading.Lock()
+        self._special_spaced: bool | None = None  # (`_spaces_special`)
         if not config.skip_tokenizer_init:
             from transformers import AutoTokenizer
 
@@ -424,6 +425,35 @@ class LLMEngine:
         with self._tokenizer_lock:
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as the token sequences the sampler bans, by vLLM's rule: each word (its leading spaces
+        dropped) as it stands, and after a space where that makes a different first token of the same count
+        (the word inside a text, for tokenizers that fold a space into the next word)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words: need the tokenizer (this engine was made with skip_tokenizer_init=True)")
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not bare:  # (a word the tokenizer drops whole: nothing to ban)
+                raise ValueError(f"bad_words: {word!r:.40} has no tokens")
+            out.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        # (A word with a token past the LM head, an added token it never gives, can never be generated.)
+        return tuple(w for w in out if max(w) < self.runner.num_logits)
+
+    def _spaces_special(self) -> bool:
+        """Whether the tokenizer's decoder puts a space between two special tokens (then
+        spaces_between_special_tokens=False would need a text of its own: refused). Asked once."""
+        if self._special_spaced is None:
+            tok = self.tokenizer
+            ids = list(tok.all_special_ids[:2])
+            with self._tokenizer_lock:
+                joined = tok.decode(ids, skip_special_tokens=False)
+            self._special_spaced = len(ids) == 2 and joined != "".join(tok.convert_ids_to_tokens(ids))
+        return self._special_spaced
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of token ids (any of the model's vocabulary); ValueError naming `tokens` for others."""
         if self.tokenizer is None:
@@ -535,6 +565,10 @@ class LLMEngine:
         if params.stop and self.detokenizer is None:
             raise ValueError("stop: stop strings need the tokenizer to read the output (this engine was made with "
                              "skip_tokenizer_init=True); use stop_token_ids")
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else ()
+        if not params.spaces_between_special_tokens and self.tokenizer is not None and self._spaces_special():
+            raise ValueError("spaces_between_special_tokens: False is not supported with this model's tokenizer, "
+                             "which puts a space between special tokens")
         prompt = normalize_prompt(prompt)
         lora_name = lora_content = None
         if lora_request is not None and lora_id is not None:
@@ -589,6 +623,7 @@ class LLMEngine:
                         num_encoder_tokens=prepared.num_encoder_tokens if prepared is not None else 0)
             r.mm_inputs = prepared
             r.lora_name = lora_name
+            r.bad_words_ids = bad_words
             if sp.prompt_logprobs is not None:
                 r.prompt_rows = self.runner.prompt_rows
             return r
@@ -874,8 +909,7 @@ class LLMEngine:
                                  logprobs=req.sampling_params.logprobs,
                                  history=(req.all_token_ids, req.num_prompt_tokens)
                                  if end == req.num_tokens and req.sampling_params.penalized else None,
-                                 banned=(sorted(req.stop_token_ids) or None)
-                                 if end == req.num_tokens and req.stop_tokens_banned else None,
+                                 banned=req.banned_tokens() if end == req.num_tokens else None,
                                  prompt_logprobs=req.prompt_logprobs_step(s.start_pos, end)))
             if req.mm_inputs is not None:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)

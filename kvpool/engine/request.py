@@ -98,6 +98,8 @@ class Request(CacheRequest):
         self._stop_tokens = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self._stop_tokens.update(eos_token_ids)
+        # Its bad_words as token sequences (the engine tokenizes them: `bad_words_token_ids`).
+        self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def scoring_prompt(self) -> bool:
@@ -168,6 +170,20 @@ class Request(CacheRequest):
     def stop_tokens_banned(self) -> bool:
         """Whether its next token must not be a stop token (min_tokens not reached)."""
         return self.num_output_tokens < self.sampling_params.min_tokens
+
+    def banned_tokens(self) -> list[int] | None:
+        """The tokens its next token must not be (sorted; None: any may be): its stop tokens before min_tokens,
+        and each bad word's last token where the output ends with the word's other tokens (vLLM's rule: the
+        output's tokens only, not the prompt's)."""
+        ban = set(self._stop_tokens) if self.stop_tokens_banned else set()
+        if self.bad_words_ids:
+            out = self.all_token_ids
+            n_out = self.num_output_tokens
+            for word in self.bad_words_ids:
+                k = len(word) - 1
+                if k <= n_out and (k == 0 or tuple(out[len(out) - k:]) == word[:k]):
+                    ban.add(word[-1])
+        return sorted(ban) or None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 MAX_N = 128
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (every step adds them to its logits)
 MAX_ALLOWED_TOKENS = 1 << 17  # tokens one request may restrict its sampling to (more than any vocabulary)
+MAX_BAD_WORDS = 1024  # words one request may ban (every step matches each against the output's tail)
 MAX_LOGPROBS = 20  # top tokens' log-probabilities per sampled token at most (OpenAI's and vLLM's default bound)
 
 
@@ -50,6 +51,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: keep only the prompt's last this many tokens (-1: as many as the context holds, less one to generate).
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never generated. Each is tokenized as it stands and after a space (the same word inside a
+    # text); a token that would complete one of those token sequences after the output's last tokens is not drawn.
+    bad_words: list[str] | None = None
+    # vLLM's: special tokens (a chat template's markers) left out of the text (the token ids keep them).
+    skip_special_tokens: bool = True
+    # vLLM's: False joins consecutive special tokens' text without the space a tokenizer may put between them.
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,7 +73,8 @@ class SamplingParams:
             raise ValueError(f"stop: a string or a list of strings, got {type(self.stop).__name__}")
         if not isinstance(self.stop_token_ids, list | tuple):
             raise ValueError(f"stop_token_ids: a list of token ids, got {type(self.stop_token_ids).__name__}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
 
@@ -98,6 +107,15 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKENS} tokens, got {len(a)}")
             if not all(type(t) is int and t >= 0 for t in a):
                 raise ValueError("allowed_token_ids: every entry must be a token id (an int >= 0)")
+        if self.bad_words is not None:
+            w = self.bad_words
+            if not isinstance(w, list | tuple):
+                raise ValueError(f"bad_words: a list of strings, got {type(w).__name__}")
+            if len(w) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(w)}")
+            if not all(isinstance(x, str) and x.strip() for x in w):
+                raise ValueError("bad_words: every entry must be a string with something besides spaces")
+            self.bad_words = list(w)
         t = self.truncate_prompt_tokens
         if t is not None and (type(t) is not int or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens: an int >= 1, or -1 (the context's length), got {t!r}")

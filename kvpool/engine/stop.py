@@ -54,20 +54,22 @@ class Detokenizer:
         ctx = self._contexts.get(req.request_id)
         if ctx is None:
             tail = req.all_token_ids[max(0, req.num_prompt_tokens - PROMPT_CONTEXT):req.num_prompt_tokens]
-            texts = ((tail[i:], self.tokenizer.decode(tail[i:], skip_special_tokens=True)) for i in range(len(tail)))
+            skip = req.sampling_params.skip_special_tokens
+            texts = ((tail[i:], self.tokenizer.decode(tail[i:], skip_special_tokens=skip)) for i in range(len(tail)))
             ctx = next(((ids, text) for ids, text in texts if "\ufffd" not in text), ([], ""))
             self._contexts[req.request_id] = ctx
         return ctx
 
     def decode(self, req: Request) -> str:
         ids = _text_ids(req)
+        skip = req.sampling_params.skip_special_tokens
         with self.lock:
             context, head = self._context(req)
-            whole = self.tokenizer.decode(context + ids, skip_special_tokens=True)
+            whole = self.tokenizer.decode(context + ids, skip_special_tokens=skip)
             if whole.startswith(head):
                 return whole[len(head):]
             # (the context's last character completed only with the output's bytes: decoded alone)
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def update(self, req: Request) -> int:
         """Bring `req.output_text` up to date; returns where the new text starts."""
@@ -80,7 +82,8 @@ class Detokenizer:
         if state is None:
             with self.lock:
                 context, _ = self._context(req)
-            state = self._streams[req.request_id] = [DecodeStream(ids=context, skip_special_tokens=True), 0]
+            state = self._streams[req.request_id] = [
+                DecodeStream(ids=context, skip_special_tokens=req.sampling_params.skip_special_tokens), 0]
         stream, done = state
         ids = req.output_token_ids
         pieces = []

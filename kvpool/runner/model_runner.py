@@ -95,7 +95,7 @@ class SeqStep:
     lora: str | None = None  # the LoRA adapter these tokens run with (kvpool.runner.lora); None: the base model
     logprobs: int | None = None  # the sampled token's log-probability and this many top ones' (None: none)
     history: History | None = None  # a penalized sequence's tokens so far, and its prompt's length (sampler)
-    banned: Sequence[int] | None = None  # tokens it must not draw now (its stop tokens, before min_tokens)
+    banned: Sequence[int] | None = None  # tokens it must not draw now (stop tokens before min_tokens, bad words)
     # Prompt log-probabilities (SamplingParams.prompt_logprobs): which rows to score, from the forward or the
     # prompt-row cache, and which rows to keep there (kvpool.runner.prompt_rows).
     prompt_logprobs: PromptLogprobsStep | None = None

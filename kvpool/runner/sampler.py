@@ -100,7 +100,7 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
             if stops:
                 row = logits[i].clone()
                 row[stops] = float("-inf")
-                if torch.isfinite(row).any():  # (stop tokens covering every token it may draw: none banned)
+                if torch.isfinite(row).any():  # (bans covering every token it may draw: none banned)
                     logits[i] = row
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []

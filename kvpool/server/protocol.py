@@ -53,9 +53,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # vLLM's extensions that change the tokens or the text (their no-op values as vLLM defaults them).
     "use_beam_search": _none_or_flag(False),
     "length_penalty": _none_or(1),
-    "bad_words": lambda v: v is None or v == [],
-    "skip_special_tokens": _none_or_flag(True),
-    "spaces_between_special_tokens": _none_or_flag(True),
     # ... and chat's (on /v1/completions `echo` is a field of its own).
     "echo": _none_or_flag(False),
     "add_generation_prompt": _none_or_flag(True),
@@ -113,6 +110,9 @@ class _SamplingFields(_NullIsDefault):
     # top), streamed with the chunks that bring them (the prompt's in a choice's first chunk; chat: the first of all)
     return_token_ids: bool = False
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be drawn
+    bad_words: list[str] | None = None  # vLLM's: words never generated
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text in the output
+    spaces_between_special_tokens: bool = True  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: what fits)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -153,7 +153,9 @@ class _SamplingFields(_NullIsDefault):
             frequency_penalty=self.frequency_penalty, logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._logprobs(),
             prompt_logprobs=self._prompt_logprobs(), allowed_token_ids=self.allowed_token_ids,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, bad_words=self.bad_words,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

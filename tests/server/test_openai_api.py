@@ -28,8 +28,8 @@ def offline(chat_llama_dir: Path):  # the same model and settings, no server: th
     return make_engine(chat_llama_dir)
 
 
-def offline_text(engine, prompt: str | list[int], max_tokens: int) -> tuple[str, list[int]]:
-    engine.add_request(prompt, SamplingParams.greedy(max_tokens))
+def offline_text(engine, prompt: str | list[int], max_tokens: int, **kw: object) -> tuple[str, list[int]]:
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens, **kw))
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -432,6 +432,26 @@ def test_return_token_ids_as_vllm_returns_them(server: ServerHandle, offline) ->
     events = [e for e in events if e["choices"]]  # (less the last, usage-only chunk)
     _, cut_want = offline_text(offline, chat_ids[-5:], 4)
     assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == cut_want
+
+
+def test_bad_words_and_special_tokens_text_as_the_engine_gives_them(server: ServerHandle, offline) -> None:
+    """vLLM's bad_words and skip_special_tokens / spaces_between_special_tokens pass through to the engine:
+    the same tokens and text as offline, streamed or not."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    start, end = offline.encode("<|im_start|><|im_end|>", add_special_tokens=False)
+    # Both special tokens pushed up, the likelier banned (a bad word can be a special token's text).
+    sampling = {"bad_words": ["<|im_start|>"], "skip_special_tokens": False, "spaces_between_special_tokens": False,
+                "ignore_eos": True}
+    text, want = offline_text(offline, prompt, 3, logit_bias={start: 100, end: 50}, **sampling)
+    assert want == [end] * 3 and text == "<|im_end|>" * 3
+    sampling["logit_bias"] = {str(start): 100, str(end): 50}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "return_token_ids": True,
+            **sampling}
+    c = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert c["token_ids"] == want and c["text"] == text
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(ch["text"] for ch in chunks) == text
 
 
 def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: ServerHandle) -> None:
