@@ -175,7 +175,10 @@ class Request(CacheRequest):
         """The tokens its next token must not be (sorted; None: any may be): its stop tokens before min_tokens,
         and each bad word's last token where the output ends with the word's other tokens (vLLM's rule: the
         output's tokens only, not the prompt's)."""
-        ban = set(self._stop_tokens) if self.stop_tokens_banned else set()
+        stops = self.stop_tokens_banned
+        if not stops and not self.bad_words_ids:
+            return None  # (the common case: every decode step asks)
+        ban = set(self._stop_tokens) if stops else set()
         if self.bad_words_ids:
             out = self.all_token_ids
             n_out = self.num_output_tokens
