@@ -13,10 +13,10 @@ def __getattr__(name: str) -> object:
         from kvpool.engine.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from kvpool.engine.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from kvpool.engine import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     if name == "LoRARequest":
         from kvpool.engine.lora_request import LoRARequest
 

@@ -40,6 +40,7 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
 from kvpool.engine.stop import Detokenizer, StopChecker
+from kvpool.engine.structured import Grammars
 from kvpool.runner.image_inputs import ImageInputs
 from kvpool.runner.model_files import resolve_model
 from kvpool.runner.model_runner import ModelRunner, SeqStep
@@ -202,6 +203,10 @@ class LLMEngine:
                                    max_loras=config.max_loras if config.enable_lora else 0)
         generation = _model_json(self.model_dir, "generation_config.json")
         self.eos_token_ids = _eos_ids([generation, _model_json(self.model_dir, "config.json")], self.tokenizer)
+        # Structured outputs' constraints, compiled against the tokenizer (its first use builds llguidance's view
+        # of the vocabulary).
+        self.grammars = (Grammars(self.tokenizer, self.runner.num_logits, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
         # The model's sampling defaults for fields a request leaves out (kvpool.engine.generation_defaults).
         self.sampling_defaults = read_defaults(generation, config.generation_config)
         self._generators: dict[str, torch.Generator] = {}
@@ -566,6 +571,9 @@ class LLMEngine:
             raise ValueError("stop: stop strings need the tokenizer to read the output (this engine was made with "
                              "skip_tokenizer_init=True); use stop_token_ids")
         bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else ()
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs: need the tokenizer (this engine was made with "
+                             "skip_tokenizer_init=True)")
         if not params.spaces_between_special_tokens and self.tokenizer is not None and self._spaces_special():
             raise ValueError("spaces_between_special_tokens: False is not supported with this model's tokenizer, "
                              "which puts a space between special tokens")
@@ -624,6 +632,8 @@ class LLMEngine:
             r.mm_inputs = prepared
             r.lora_name = lora_name
             r.bad_words_ids = bad_words
+            if sp.structured_outputs is not None:  # (each sequence its own: they take different tokens)
+                r.grammar = self.grammars.grammar(sp.structured_outputs)  # type: ignore[union-attr]
             if sp.prompt_logprobs is not None:
                 r.prompt_rows = self.runner.prompt_rows
             return r
@@ -910,6 +920,8 @@ class LLMEngine:
                                  history=(req.all_token_ids, req.num_prompt_tokens)
                                  if end == req.num_tokens and req.sampling_params.penalized else None,
                                  banned=req.banned_tokens() if end == req.num_tokens else None,
+                                 grammar=req.grammar.mask() if req.grammar is not None and end == req.num_tokens
+                                 else None,
                                  prompt_logprobs=req.prompt_logprobs_step(s.start_pos, end)))
             if req.mm_inputs is not None:
                 self.mm.step_inputs(steps[-1], req.num_preemptions, req.mm_inputs, s.start_pos, end)

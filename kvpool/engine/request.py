@@ -11,6 +11,7 @@ from typing import Any
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.structured import Grammar
 from kvpool.runner.prompt_rows import PromptLogprobsStep, PromptRowCache
 from kvpool.runner.sampler import TokenLogprobs
 
@@ -100,6 +101,8 @@ class Request(CacheRequest):
             self._stop_tokens.update(eos_token_ids)
         # Its bad_words as token sequences (the engine tokenizes them: `bad_words_token_ids`).
         self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
+        # Its structured output's constraint, advanced by each token it takes (kvpool.engine.structured).
+        self.grammar: Grammar | None = None
 
     @property
     def scoring_prompt(self) -> bool:
@@ -187,6 +190,12 @@ class Request(CacheRequest):
                 if k <= n_out and (k == 0 or tuple(out[len(out) - k:]) == word[:k]):
                     ban.add(word[-1])
         return sorted(ban) or None
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        super().append_output_token_ids(token_ids)
+        if self.grammar is not None:
+            for t in [token_ids] if isinstance(token_ids, int) else token_ids:
+                self.grammar.accept(t)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -14,6 +14,60 @@ MAX_BAD_WORDS = 1024  # words one request may ban (every step matches each again
 MAX_LOGPROBS = 20  # top tokens' log-probabilities per sampled token at most (OpenAI's and vLLM's default bound)
 
 
+MAX_CHOICES = 1024  # strings one structured_outputs.choice may hold
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the text generated is constrained to one of these (kvpool.engine.structured).
+    Exactly one of `json` (a JSON schema, as a dict or its text), `regex`, `choice` (the answer is one of
+    these strings), `grammar` (Lark, or llama.cpp's GBNF) or `json_object` (any JSON object)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON only: no whitespace between its tokens (default: any, as vLLM's), and objects without
+    # additionalProperties in the schema take none (default: JSON Schema's, any).
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is (the one field of KINDS set)."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(self.KINDS)} must be set, got "
+                             f"{given or 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"structured_outputs.json: a JSON schema (an object or its text), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name}: a non-empty string, got {v!r:.40}")
+        if self.choice is not None:
+            c = self.choice
+            if not isinstance(c, list | tuple) or not c or not all(isinstance(x, str) for x in c):
+                raise ValueError(f"structured_outputs.choice: a non-empty list of strings, got {c!r:.60}")
+            if len(c) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice: at most {MAX_CHOICES} strings, got {len(c)}")
+            self.choice = list(c)
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"structured_outputs.{name}: must be true or false, got {v!r:.40}")
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -58,6 +112,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's: False joins consecutive special tokens' text without the space a tokenizer may put between them.
     spaces_between_special_tokens: bool = True
+    # vLLM's: the text constrained to a JSON schema, a regex, a choice or a grammar (StructuredOutputsParams).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +172,11 @@ class SamplingParams:
             if not all(isinstance(x, str) and x.strip() for x in w):
                 raise ValueError("bad_words: every entry must be a string with something besides spaces")
             self.bad_words = list(w)
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs: a StructuredOutputsParams, got {type(so).__name__}")
+            so.validate()
         t = self.truncate_prompt_tokens
         if t is not None and (type(t) is not int or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens: an int >= 1, or -1 (the context's length), got {t!r}")

@@ -96,6 +96,7 @@ class SeqStep:
     logprobs: int | None = None  # the sampled token's log-probability and this many top ones' (None: none)
     history: History | None = None  # a penalized sequence's tokens so far, and its prompt's length (sampler)
     banned: Sequence[int] | None = None  # tokens it must not draw now (stop tokens before min_tokens, bad words)
+    grammar: torch.Tensor | None = None  # structured outputs: the tokens it may draw now (bool, per logit)
     # Prompt log-probabilities (SamplingParams.prompt_logprobs): which rows to score, from the forward or the
     # prompt-row cache, and which rows to keep there (kvpool.runner.prompt_rows).
     prompt_logprobs: PromptLogprobsStep | None = None
@@ -728,7 +729,7 @@ class ModelRunner:
             # padding to MIN_ROWS, without 16 rows' worth of the vocabulary-wide matmul per token.
             logits = torch.cat([self.model.compute_logits(last[i:i + 1]) for i in range(len(rows))])
         elif all(is_greedy(s.sampling) and s.logprobs is None and s.history is None and s.banned is None
-                 and not biases(s.sampling) and not allowed(s.sampling) for s in want):
+                 and s.grammar is None and not biases(s.sampling) and not allowed(s.sampling) for s in want):
             # All greedy: argmax straight off the model-dtype logits (no fp32 copy of the vocabulary-wide rows).
             tokens = self.model.greedy_tokens(last, self._argmax_rows).tolist()
             return {s.req_id: tok for s, tok in zip(want, tokens, strict=True)}
@@ -736,7 +737,7 @@ class ModelRunner:
             logits = self.model.compute_logits(last)
         params = [s.sampling for s in want]
         tokens = sample(logits, params, [s.generator for s in want], [s.history for s in want],  # type: ignore[arg-type]
-                        [s.banned for s in want])
+                        [s.banned for s in want], [s.grammar for s in want])
         asked = [i for i, s in enumerate(want) if s.logprobs is not None]
         if asked:  # (greedy rows too take their token off these fp32 logits: the argmax is the same)
             lps = token_logprobs(logits[asked], [tokens[i] for i in asked], [want[i].logprobs for i in asked])  # type: ignore[misc]

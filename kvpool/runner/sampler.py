@@ -71,14 +71,17 @@ def allowed(p: SamplingLike | None) -> list[int] | None:
 
 def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[torch.Generator | None],
            histories: Sequence[History | None] | None = None,
-           banned: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+           banned: Sequence[Sequence[int] | None] | None = None,
+           masks: Sequence[torch.Tensor | None] | None = None) -> list[int]:
     """logits: (B, vocab) float32. Rows with temperature 0 are greedy (argmax, ties to the lowest id). Rows with
-    a logit_bias, a history (penalties), banned tokens (never drawn) or allowed tokens (the only ones drawn)
-    have their logits changed first, on a copy: the caller's stay the model's (its logprobs are read from
-    them)."""
+    a logit_bias, a history (penalties), banned tokens (never drawn), allowed tokens (the only ones drawn) or a
+    mask (a structured output's next tokens: bool per logit) have their logits changed first, on a copy: the
+    caller's stay the model's (its logprobs are read from them)."""
     hist = histories or [None] * len(params)
     ban = banned or [None] * len(params)
-    changed = [i for i, p in enumerate(params) if biases(p) or hist[i] is not None or ban[i] or allowed(p)]
+    mask = masks or [None] * len(params)
+    changed = [i for i, p in enumerate(params)
+               if biases(p) or hist[i] is not None or ban[i] or allowed(p) or mask[i] is not None]
     if changed:
         logits = logits.clone()
         for i in changed:
@@ -90,12 +93,22 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
             h = hist[i]
             if h is not None:
                 apply_penalties(logits[i], h, params[i])  # type: ignore[arg-type]
+            m = mask[i]
+            free = logits[i].clone() if m is not None else None  # (before allowed_token_ids)
             only = allowed(params[i])
             if only:  # (its ids are checked against the LM head's width when the request is made)
                 keep = torch.full_like(logits[i], float("-inf"))
                 ids = torch.tensor(only, dtype=torch.long, device=logits.device)
                 keep[ids] = logits[i, ids]
                 logits[i] = keep
+            if m is not None:
+                m = m.to(logits.device, non_blocking=True)
+                row = logits[i].masked_fill(~m, float("-inf"))
+                if not torch.isfinite(row).any():
+                    # allowed_token_ids leave none of the constraint's tokens: the constraint wins (drawing
+                    # outside it would end the text where it is not what was asked for).
+                    row = free.masked_fill(~m, float("-inf"))  # type: ignore[union-attr]
+                logits[i] = row
             stops = [t for t in ban[i] or () if t < logits.shape[1]]
             if stops:
                 row = logits[i].clone()

@@ -496,6 +496,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         served = lora.lora_name if lora is not None else model_name
         try:
             prompts, params = body.prompts(), body.to_sampling_params(engine.engine.sampling_defaults)
+            renames = body.structured_renames()
         except ValueError as e:
             raise APIError.from_value_error(e, {"prompt_token_ids": "prompt"}) from None
         if len(prompts) > engine.max_pending:  # (a 503 "retry later" would never pass)
@@ -521,7 +522,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                         raise APIError.from_value_error(e, {"prompt": name}) from None
                 sent.append(len(prompt) if isinstance(prompt, list) else None)
                 streams.append(await start(prompt, params, body.cache_salt, lora=lora,
-                                           rename={"prompt_token_ids": name, "prompt": name}))
+                                           rename={"prompt_token_ids": name, "prompt": name, **renames}))
         except BaseException:
             for stream in streams:
                 stream.abort()

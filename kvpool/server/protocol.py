@@ -8,6 +8,7 @@ a request's own chat template: `_UNSUPPORTED`), and ignored when they are only b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, get_args
 
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 from pydantic_core import PydanticCustomError
 
 from kvpool.engine.chat_template import ChatOptions
-from kvpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_STOP_STRINGS = 64  # per request (OpenAI's limit is 4; vLLM's clients send more)
 
@@ -40,12 +41,7 @@ def _none_or_flag(default: bool) -> Callable[[Any], bool]:
 # changes nothing".
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _none_or(1),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "guided_json": _none_or(),
-    "guided_regex": _none_or(),
-    "guided_choice": _none_or(),
-    "guided_grammar": _none_or(),
-    "structured_outputs": _none_or(),
+    "guided_whitespace_pattern": _none_or(),
     "tools": lambda v: v is None or v == [],
     "tool_choice": _none_or("none", "auto"),
     "functions": lambda v: v is None or v == [],
@@ -111,6 +107,15 @@ class _SamplingFields(_NullIsDefault):
     return_token_ids: bool = False
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be drawn
     bad_words: list[str] | None = None  # vLLM's: words never generated
+    # The text held to a JSON schema, a regex, a choice or a grammar (kvpool.engine.structured): OpenAI's
+    # response_format (json_object, json_schema), vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # (vLLM's choice of library: kvpool has one, llguidance)
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text in the output
     spaces_between_special_tokens: bool = True  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: what fits)
@@ -155,7 +160,59 @@ class _SamplingFields(_NullIsDefault):
             prompt_logprobs=self._prompt_logprobs(), allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens, bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self._structured_outputs())
+
+    _STRUCTURED_SOURCES = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                           "guided_grammar")
+
+    def _structured_source(self) -> str | None:
+        """The field that asks for a structured output (response_format "text" asks for none); ValueError when
+        several do."""
+        given = [k for k in self._STRUCTURED_SOURCES if getattr(self, k) is not None]
+        if self.response_format == {"type": "text"}:
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give one of {', '.join(self._STRUCTURED_SOURCES)}, not several (got "
+                             f"{', '.join(given)})")
+        return given[0] if given else None
+
+    def structured_renames(self) -> dict[str, str]:
+        """The engine names a structured output's fields as StructuredOutputsParams' (`structured_outputs.json`):
+        to the field the client sent (for `APIError.from_value_error`)."""
+        source = self._structured_source()
+        if source is None or source == "structured_outputs":
+            return {}
+        return {f"structured_outputs.{k}": source for k in StructuredOutputsParams.KINDS}
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        source = self._structured_source()
+        if source is None:
+            return None
+        try:
+            return self._structured_params(source)
+        except ValueError as e:  # (named as the client named it: a guided_choice's error is guided_choice's)
+            msg = str(e)
+            field = msg.split(":", 1)[0]
+            to = self.structured_renames().get(field)
+            raise ValueError(msg if to is None else to + msg[len(field):]) from None
+
+    def _structured_params(self, source: str) -> StructuredOutputsParams:
+        if source == "response_format":
+            return _response_format(self.response_format)  # type: ignore[arg-type]
+        if source == "structured_outputs":
+            spec = dict(self.structured_outputs)  # type: ignore[arg-type]
+            spec.pop("disable_fallback", None)  # (vLLM's: whether to try another library; kvpool has one)
+            for name in ("whitespace_pattern", "structural_tag"):
+                if spec.pop(name, None) is not None:
+                    raise ValueError(f"structured_outputs.{name}: not supported")
+            unknown = sorted(set(spec) - set(_STRUCTURED_FIELDS))
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} (known: "
+                                 f"{', '.join(_STRUCTURED_FIELDS)})")
+            return StructuredOutputsParams(**spec)
+        kind = source.removeprefix("guided_")
+        return StructuredOutputsParams(**{"json" if kind == "json" else kind: getattr(self, source)})
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -183,6 +240,24 @@ class _SamplingFields(_NullIsDefault):
         if type(v) is not int:
             raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}] (the top tokens), got {v!r:.40}")
         return v  # (SamplingParams checks the range)
+
+
+_STRUCTURED_FIELDS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's response_format: json_object (any JSON object) or json_schema ({"json_schema": {"name": ...,
+    "schema": {...}}}); "text" is no constraint (handled before)."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                             "{...}}}")
+        return StructuredOutputsParams(json=spec["schema"])
+    raise ValueError(f"response_format: type must be one of text, json_object, json_schema, got {kind!r:.40}")
 
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -327,7 +402,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         `APIError.from_value_error`): the prompt and its images are the `messages`, and `max_tokens` is
         `max_completion_tokens` when that is the field the client set. Every server taking chats renames
         with it, so their errors name the same fields."""
-        rename = {"prompt_token_ids": "messages", "mm_inputs": "messages"}
+        rename = {"prompt_token_ids": "messages", "mm_inputs": "messages", **self.structured_renames()}
         if self.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
         return rename
