@@ -84,6 +84,11 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
                if biases(p) or hist[i] is not None or ban[i] or allowed(p) or mask[i] is not None]
     if changed:
         logits = logits.clone()
+        constrained = [i for i in changed if mask[i] is not None]
+        if constrained:  # (one op for every constrained row; nothing added later lifts a -inf)
+            at = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+            keep = torch.stack([mask[i] for i in constrained]).to(logits.device, non_blocking=True)  # type: ignore[misc]
+            logits[at] = logits[at].masked_fill(~keep, float("-inf"))
         for i in changed:
             bias = biases(params[i])
             if bias:  # (its ids are checked against the LM head's width when the request is made)
@@ -93,22 +98,15 @@ def sample(logits: torch.Tensor, params: list[SamplingLike], generators: list[to
             h = hist[i]
             if h is not None:
                 apply_penalties(logits[i], h, params[i])  # type: ignore[arg-type]
-            m = mask[i]
-            free = logits[i].clone() if m is not None else None  # (before allowed_token_ids)
             only = allowed(params[i])
             if only:  # (its ids are checked against the LM head's width when the request is made)
-                keep = torch.full_like(logits[i], float("-inf"))
+                row = torch.full_like(logits[i], float("-inf"))
                 ids = torch.tensor(only, dtype=torch.long, device=logits.device)
-                keep[ids] = logits[i, ids]
-                logits[i] = keep
-            if m is not None:
-                m = m.to(logits.device, non_blocking=True)
-                row = logits[i].masked_fill(~m, float("-inf"))
-                if not torch.isfinite(row).any():
-                    # allowed_token_ids leave none of the constraint's tokens: the constraint wins (drawing
-                    # outside it would end the text where it is not what was asked for).
-                    row = free.masked_fill(~m, float("-inf"))  # type: ignore[union-attr]
-                logits[i] = row
+                row[ids] = logits[i, ids]
+                # allowed_token_ids that leave none of a structured output's tokens: the constraint wins
+                # (drawing outside it would end the text where it is not what was asked for).
+                if mask[i] is None or torch.isfinite(row).any():
+                    logits[i] = row
             stops = [t for t in ban[i] or () if t < logits.shape[1]]
             if stops:
                 row = logits[i].clone()

@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_helpers import BLOCK, make_engine, metric
 
-from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpool.server.serve import ServerHandle
 
 
@@ -452,6 +452,43 @@ def test_bad_words_and_special_tokens_text_as_the_engine_gives_them(server: Serv
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         chunks = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
     assert "".join(ch["text"] for ch in chunks) == text
+
+
+def test_structured_outputs_from_every_field_that_asks_for_one(server: ServerHandle, offline) -> None:
+    """OpenAI's response_format (json_schema, json_object), vLLM's structured_outputs and its guided_* fields:
+    the same tokens as the engine's StructuredOutputsParams offline, streamed or not."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    chat_ids = offline.apply_chat_template(messages)
+    text, _ = offline_text(offline, chat_ids, 20, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True))
+    assert json.loads(text) in ({"ok": True}, {"ok": False})
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+    flexible, _ = offline_text(offline, chat_ids, 20, structured_outputs=StructuredOutputsParams(json=schema))
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert r["choices"][0]["message"]["content"] == flexible
+    via = {**chat, "response_format": None,
+           "structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=via, timeout=60).json()
+    assert r["choices"][0]["message"]["content"] == text
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**via, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == text
+    prompt = "The answer is"
+    for field, value, so in [("guided_choice", ["yes", "no"], StructuredOutputsParams(choice=["yes", "no"])),
+                             ("guided_regex", "[0-9]{3}", StructuredOutputsParams(regex="[0-9]{3}")),
+                             ("guided_json", schema, StructuredOutputsParams(json=schema))]:
+        want_text, want_ids = offline_text(offline, prompt, 12, structured_outputs=so)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, field: value,
+                "return_token_ids": True}
+        c = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert (c["text"], c["token_ids"]) == (want_text, want_ids), field
+    obj = {"model": "tiny", "prompt": prompt, "max_tokens": 30, "temperature": 0,
+           "response_format": {"type": "json_object"}}
+    want_text, _ = offline_text(offline, prompt, 30, structured_outputs=StructuredOutputsParams(json_object=True))
+    assert httpx.post(f"{server.url}/v1/completions", json=obj, timeout=60).json()["choices"][0]["text"] == want_text
 
 
 def test_text_parts_are_a_line_apart_as_in_vllm(client: openai.OpenAI, server: ServerHandle) -> None:
