@@ -8,12 +8,16 @@ exactly the tokens its replica will run.
 - `chat_template_kwargs`: extra variables for the template (say `enable_thinking`); a name the renderer itself
   takes (`tokenize`, `tools`, ...) or a function of the template's (`raise_exception`, `range`, ...) is
   refused, never passed on.
+- `template`: a template of the request's own in place of the model's (vLLM's `chat_template`; a server takes
+  it only with --trust-request-chat-template). A model without one, or whose template should be replaced for
+  every request, takes `--chat-template` (`load_chat_template`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +40,36 @@ def _renderer_parameters() -> frozenset[str]:
     return frozenset(names - {"kwargs"} | {"messages", "raise_exception", "strftime_now"} | set(DEFAULT_NAMESPACE))
 
 
+MAX_TEMPLATE_CHARS = 1 << 20  # a chat template's text at most (the largest models' are ~20k characters)
+
+
+def load_chat_template(value: str, field: str = "chat_template") -> str:
+    """A chat template given as a file's path or as the template's text (vLLM's rule: a path that exists is
+    read; text with a Jinja delimiter or a line break is the template; anything else is a path mistyped)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{field}: a chat template's file or text, got {value!r:.40}")
+    if len(value) < 4096 and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"{field}: {value!r:.80} is not a file, nor a template's text (no '{{' in it)")
+    if len(value) > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"{field}: at most {MAX_TEMPLATE_CHARS} characters, got {len(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    template: str | None = None  # (the request's own; None: the model's)
 
     def __post_init__(self) -> None:
+        if self.template is not None and (not isinstance(self.template, str) or not self.template.strip()
+                                          or len(self.template) > MAX_TEMPLATE_CHARS):
+            raise ValueError(f"chat_template: a template's text (at most {MAX_TEMPLATE_CHARS} characters), got "
+                             f"{self.template!r:.40}")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message: true leaves the last message open to be continued; "
                              "it needs add_generation_prompt: false")
@@ -63,6 +90,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOpt
     kw: dict[str, Any] = dict(o.template_kwargs)
     if o.continue_final_message:  # (a keyword older transformers lack: passed only when set)
         kw["continue_final_message"] = True
+    if o.template is not None:
+        kw["chat_template"] = o.template
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=o.add_generation_prompt, tokenize=True,
                                         **kw)
     return list(ids if isinstance(ids, list) else ids["input_ids"])

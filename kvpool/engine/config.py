@@ -140,6 +140,8 @@ class RunnerConfig:
                         choices=("auto", "bfloat16", "float32", "float16"))
     device: str | None = option(None, "cpu or cuda (default: cuda when present)")
     skip_tokenizer_init: bool = False
+    chat_template: str | None = option(None, "a chat template (its file, or its text) in place of the model's: "
+                                       "for a model without one, as Gemma-3 270M's GGUF")
     generation_config: str = option("auto", "sampling defaults (temperature, top_p, top_k) for requests that do "
                                     "not set them: auto, the model's generation_config.json (as vLLM); vllm, "
                                     "kvpool's own (temperature 1, no top-p or top-k)", choices=("auto", "vllm"))
@@ -257,6 +259,13 @@ class EngineConfig:
                                  "(set enable_lora)")
             if self.max_cpu_loras < self.max_loras:
                 raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+        if self.chat_template is not None:
+            if self.skip_tokenizer_init:
+                raise ValueError("chat_template: renders chats with the tokenizer, and skip_tokenizer_init=True "
+                                 "loads none")
+            from kvpool.engine.chat_template import load_chat_template
+
+            load_chat_template(self.chat_template)  # (a path mistyped: refused before the model loads)
         if self.model is not None and (not isinstance(self.model, str | os.PathLike) or not os.fspath(self.model)):
             raise ValueError(f"model: must be a model folder (a path) or None, got {self.model!r}")
         d = self.kv_store_deadline_s

@@ -28,7 +28,7 @@ from kvpool.core.kv_cache_spec import MambaSpec
 from kvpool.core.pins import Pin, PinSet, PrefixNotCached
 from kvpool.core.request import CacheRequest, MultiModalItem
 from kvpool.core.stats import PrefixCacheStats
-from kvpool.engine.chat_template import ChatOptions, render_chat
+from kvpool.engine.chat_template import ChatOptions, load_chat_template, render_chat
 from kvpool.engine.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig, parse_size
 from kvpool.engine.generation_defaults import read_defaults
 from kvpool.engine.lora_request import LoRARegistry, LoRARequest
@@ -130,6 +130,8 @@ class LLMEngine:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ValueError(f"model: {self.model_dir} has no tokenizer kvpool can load ({first}); add its "
                                  "tokenizer.json, or pass token ids with skip_tokenizer_init=True") from None
+            if config.chat_template is not None:  # (in place of the model's, for every chat)
+                self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.runner = ModelRunner(self.model_dir, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
                                   block_size=config.block_size,
                                   kv_cache_memory=config.kv_cache_bytes(), device=config.device,
@@ -484,8 +486,10 @@ class LLMEngine:
                             options: ChatOptions | None = None) -> list[int]:
         """The chat's token ids under the model's template; `options` (kvpool.engine.chat_template) over
         `add_generation_prompt`."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
+        if self.tokenizer is None or not (getattr(self.tokenizer, "chat_template", None)
+                                          or (options is not None and options.template)):
+            raise ValueError("messages: this model has no chat template (give one: --chat-template, or "
+                             "LLM(chat_template=...))")
         flat = []
         for i, m in enumerate(_message_list(messages)):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:

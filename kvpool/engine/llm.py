@@ -104,11 +104,12 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Like generate, with each conversation rendered by the model's chat template (and vLLM's options:
-        kvpool.engine.chat_template)."""
-        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
+        """Like generate, with each conversation rendered by the model's chat template, or `chat_template` (a
+        template's text) in its place (and vLLM's options: kvpool.engine.chat_template)."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {},
+                              chat_template)
         if isinstance(messages, dict):  # one message
             convs = [[messages]]
         elif isinstance(messages, Sequence) and messages and not isinstance(messages, str):

@@ -270,6 +270,7 @@ def create_omni_app(worker: PipelineWorker, *, model_name: str, api_key: str | N
                    "add_generation_prompt": not body.add_generation_prompt,
                    "continue_final_message": body.continue_final_message,
                    "chat_template_kwargs": bool(body.chat_template_kwargs),
+                   "chat_template": body.chat_template is not None,
                    "truncate_prompt_tokens": body.truncate_prompt_tokens is not None}
         for name, set_ in refused.items():
             if set_:

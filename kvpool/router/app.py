@@ -50,7 +50,7 @@ from kvpool.core import hit_rules
 from kvpool.core.hashing import BlockHasher
 from kvpool.core.hit_rules import GroupRule
 from kvpool.core.request import CacheRequest
-from kvpool.engine.chat_template import ChatOptions, render_chat
+from kvpool.engine.chat_template import ChatOptions, load_chat_template, render_chat
 from kvpool.router.admin import WATCH_POLL_S, add_admin_routes, forward_headers, while_up
 from kvpool.router.index import DEFAULT_MAX_STORE_BLOCKS, PrefixIndex, RoutedIndex
 from kvpool.router.policy import ReplicaLoad, choose
@@ -561,7 +561,9 @@ class Router:
             if path.endswith("/chat/completions"):
                 req = ChatCompletionRequest.model_validate(body)
                 images = image_digest(req.messages)
-                if self.tokenizer is None:
+                if self.tokenizer is None or req.chat_template is not None:
+                    # (a request's own template is Jinja from a client: a replica that trusts such templates
+                    # renders it; the router does not, and routes the chat by load)
                     return None, req.cache_salt, images, 0
                 options = req.chat_options()
                 ids = self._chat_ids(chat_messages(req.messages), options)
@@ -1061,12 +1063,16 @@ class RouterHandle:
         self.router.stop()
 
 
-def load_tokenizer(model: str | None) -> Any:
+def load_tokenizer(model: str | None, chat_template: str | None = None) -> Any:
+    """The replicas' tokenizer, with their --chat-template in place of the model's if they set one."""
     from transformers import AutoTokenizer
 
     from kvpool.runner.model_files import resolve_model
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    if chat_template is not None:
+        tok.chat_template = load_chat_template(chat_template)
+    return tok
 
 
 def start_router(router: Router, *, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> RouterHandle:
@@ -1113,7 +1119,7 @@ def run(args: argparse.Namespace) -> None:
 
     specs = [ReplicaSpec.parse(s) for s in args.replica]
     check_args(args)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, args.chat_template)
     router = Router(specs, tokenizer=tokenizer, block_size=args.block_size, hash_algo=args.hash_algo,
                     hash_seed=args.hash_seed, beta=args.load_weight, policy=args.policy,
                     max_store_blocks=args.max_store_blocks)

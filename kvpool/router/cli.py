@@ -14,6 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", type=host_address)
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--model", default=None, help="the replicas' model folder, for its tokenizer (default: SmolLM2)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the replicas' --chat-template, if they set one (the router renders chats as they do)")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size")
     p.add_argument("--hash-algo", default="sha256", choices=["sha256", "xxh3_128"], help="the replicas' --hash-algo")
     p.add_argument("--hash-seed", default=None, help="the replicas' hash seed, if they set one")

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from kvpool.core import hit_rules
 from kvpool.core.pins import Pin, PinBudgetExceeded, PrefixNotCached
 from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from kvpool.engine.chat_template import ChatOptions
 from kvpool.engine.lora_request import LoRARequest
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
@@ -169,11 +170,12 @@ class _TextDeltas:
 
 def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, api_key: str | None = None,
                max_body_bytes: int = 4 << 20, media: MediaOptions | None = None,
-               kv_events_instance: str | None = None) -> FastAPI:
+               kv_events_instance: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     """`kv_events_instance`: the id of the replica's KV-event stream, told on /health (header
     `kvpool-instance`) so that a router polling it sees a restart even when the new stream's first
     batches are lost (the id changes with every process). /health also says what a hit needs from each
-    layer group (header `kvpool-kv-groups`)."""
+    layer group (header `kvpool-kv-groups`). `trust_request_chat_template`: a chat's own `chat_template`
+    is rendered (vLLM's --trust-request-chat-template); without it, refused."""
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     # What a prefix hit needs from each layer group, also told on /health: a router indexing this replica's
@@ -204,6 +206,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
             have = ", ".join(f"`{n}`" for n in [model_name, *loras()])
             raise APIError(404, f"model: The model `{name}` does not exist (this server has {have})", "model")
         return lora
+
+    def chat_options(body: ChatCompletionRequest | TokenizeRequest) -> ChatOptions:
+        options = body.chat_options()
+        if options.template is not None and not trust_request_chat_template:
+            raise ValueError("chat_template: a request's own chat template needs a server started with "
+                             "--trust-request-chat-template")
+        return options
 
     async def start(prompt: str | list[int], params: SamplingParams, salt: str | None,
                     mm_inputs: Sequence[MMInput] = (), lora: LoRARequest | None = None,
@@ -456,7 +465,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
                                 f"the image processor)", where)
         llm = engine.engine
         try:
-            options = body.chat_options()  # (checked for a prompt too: contradictory options are refused)
+            options = chat_options(body)  # (checked for a prompt too: contradictory options are refused)
             if body.prompt is not None:
                 ids = await asyncio.to_thread(llm.encode, body.prompt, body.add_special_tokens)
             else:
@@ -574,7 +583,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics, 
         rename = body.param_renames()
         try:
             params = body.to_sampling_params(engine.engine.sampling_defaults)
-            options = body.chat_options()
+            options = chat_options(body)
             if image_parts(body.messages):  # decoded, checked and preprocessed before the engine sees them
                 ids, mm = await asyncio.to_thread(chat_with_images, engine, body.messages, media, model_name,
                                                   options)

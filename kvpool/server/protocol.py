@@ -360,10 +360,12 @@ class _ChatTemplateFields(_NullIsDefault):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # the request's own (a server renders it only if it trusts such templates)
 
     def chat_options(self) -> ChatOptions:
         """The options as the renderer takes them; ValueError naming the field for ones that contradict."""
-        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
+                           self.chat_template)
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):

@@ -66,7 +66,7 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
           max_pending: int = 256, max_body_bytes: int = 4 << 20, kv_events_endpoint: str | None = None,
           kv_events_replay_endpoint: str | None = None, kv_events_topic: str | None = None,
           media: MediaOptions | None = None, pin_prefixes: Sequence[StandingPrefix] = (),
-          allowed_origins: Sequence[str] | None = None
+          allowed_origins: Sequence[str] | None = None, trust_request_chat_template: bool = False
           ) -> tuple[Any, AsyncEngine, ServerMetrics, KVEventPublisher | None]:
     """The app and what runs it, for `engine`; `pin_prefixes` are pinned now (computed) and kept for as
     long as the server runs (`--pin-prefix`)."""
@@ -93,7 +93,8 @@ def build(engine: LLMEngine, *, served_model_name: str | None = None, api_key: s
         publisher.bind()
         async_engine.add_listener(publisher.observe)
     app = create_app(async_engine, model_name=name, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
-                     media=media, kv_events_instance=None if publisher is None else publisher.instance)
+                     media=media, kv_events_instance=None if publisher is None else publisher.instance,
+                     trust_request_chat_template=trust_request_chat_template)
     add_cors(app, allowed_origins)
     return app, async_engine, metrics, publisher
 
@@ -227,7 +228,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                                             kv_events_endpoint=args.kv_events_endpoint,
                                             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
                                             kv_events_topic=args.kv_events_topic, media=media,
-                                            pin_prefixes=standing, allowed_origins=args.allowed_origins)
+                                            pin_prefixes=standing, allowed_origins=args.allowed_origins,
+                                            trust_request_chat_template=args.trust_request_chat_template)
     async_engine.start()
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_dir.name, args.host,
              sock.getsockname()[1], engine.stats().num_blocks, engine.config.block_size)

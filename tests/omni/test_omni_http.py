@@ -168,6 +168,8 @@ BAD = [
      "add_generation_prompt: not supported by the omni server"),
     ("chat_template_kwargs", chat(None, chat_template_kwargs={"x": 1}), "chat_template_kwargs",
      "chat_template_kwargs: not supported by the omni server"),
+    ("chat_template", chat(None, chat_template="{{ 'x' }}"), "chat_template",
+     "chat_template: not supported by the omni server"),
     ("max_tokens", chat(None, max_tokens=0), "max_tokens", "max_tokens: must be an int >= 1, got 0"),
     # The field the client sent, as kvpool serve names it (not the engine's max_tokens).
     ("max_completion_tokens", chat(None, max_completion_tokens=0), "max_completion_tokens",

@@ -3,6 +3,7 @@ prefix/load trade-off (a hot prefix spreads; a long cached prefix wins over a sm
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -258,7 +259,7 @@ def test_router_flags_out_of_range_are_clear_errors(flag: str, value: str, messa
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("the router started")
 
-    monkeypatch.setattr(app, "load_tokenizer", lambda model: None)  # (no download)
+    monkeypatch.setattr(app, "load_tokenizer", lambda model, chat_template=None: None)  # (no download)
     monkeypatch.setattr(uvicorn, "run", refuse)
     assert main(["router", "--replica", "http://127.0.0.1:9", *flag.split(), value]) == 2
     assert capsys.readouterr().err == f"kvpool: error: {message}\n"
@@ -275,7 +276,7 @@ def test_the_store_bound_reaches_the_index(monkeypatch: pytest.MonkeyPatch) -> N
     def capture(router: Router, **_: object) -> None:
         seen.append(router)
 
-    monkeypatch.setattr(app, "load_tokenizer", lambda model: None)
+    monkeypatch.setattr(app, "load_tokenizer", lambda model, chat_template=None: None)
     monkeypatch.setattr(app, "create_app", capture)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
     assert main(["router", "--replica", "http://127.0.0.1:9", "--max-store-blocks", "7"]) == 0
@@ -346,3 +347,19 @@ def test_a_chat_is_keyed_with_its_template_options(chat_tokenizer: Any) -> None:
     assert opened.hashes == r.block_hashes(ids(add_generation_prompt=True), None) != cont.hashes
     # Options that contradict: the replica refuses them; routed by load.
     assert r.route_key(path, {"messages": msgs, "continue_final_message": True}) == RouteKey([])
+
+
+def test_the_router_renders_the_replicas_template_and_never_a_requests_own(chat_llama_dir: Path) -> None:
+    """`--chat-template` (the replicas' own, for a model without one) keys chats as the replicas render them;
+    a request's own template is Jinja from a client, which the router does not run: that chat goes by load."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    from kvpool.router import app
+
+    tok = app.load_tokenizer(str(chat_llama_dir), template)
+    assert tok.chat_template == template
+    r = Router([ReplicaSpec("http://a:1")], tokenizer=tok, block_size=4)
+    chat = {"messages": [{"role": "user", "content": "Name three colours, then three more."}]}
+    ids = tok.encode("<user>Name three colours, then three more.", add_special_tokens=False)
+    assert len(r.route_key("/v1/chat/completions", chat).hashes) == len(ids) // 4 > 0
+    own = r.route_key("/v1/chat/completions", {**chat, "chat_template": "{{ messages[0]['content'] }}"})
+    assert own.hashes == [] and own.sticky is None

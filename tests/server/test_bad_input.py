@@ -138,7 +138,10 @@ CASES = [
     ("/v1/completions", body(continue_final_message=True), 400, "continue_final_message",
      "continue_final_message: not supported"),
     ("/v1/chat/completions", json.dumps({**CHAT, "chat_template": "{{ 1 }}"}).encode(), 400, "chat_template",
-     "chat_template: not supported"),
+     "chat_template: a request's own chat template needs a server started with --trust-request-chat-template"),
+    ("/tokenize", json.dumps({"messages": CHAT["messages"], "chat_template": "{{ 1 }}"}).encode(), 400,
+     "chat_template", "chat_template: a request's own chat template needs"),
+    ("/v1/completions", body(chat_template="{{ 1 }}"), 400, "chat_template", "chat_template: not supported"),
     ("/v1/completions", b"x" * (65 << 10), 413, None, "body:"),
     ("/v1/nothing-here", body(), 404, None, "Not Found"),
 ]
