@@ -36,7 +36,7 @@ from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.parallel_sampling import ParentRequest, child_id, child_params
 from kvpool.engine.prompts import normalize_prompt
 from kvpool.engine.request import Request, RequestStatus, check_prompt_length
-from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.sampling_params import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
 from kvpool.engine.stop import Detokenizer, StopChecker
@@ -447,6 +447,10 @@ class LLMEngine:
             out.append(bare)
             if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
                 out.append(spaced)
+        if len(out) > MAX_BAD_WORD_SEQUENCES or sum(map(len, out)) > MAX_BAD_WORD_TOKENS:
+            # (every step of the request matches them against its output's tail, on the engine's thread)
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORD_SEQUENCES} token sequences of "
+                             f"{MAX_BAD_WORD_TOKENS} tokens in all, got {len(out)} of {sum(map(len, out))}")
         # (A word with a token past the LM head, an added token it never gives, can never be generated.)
         return tuple(w for w in out if max(w) < self.runner.num_logits)
 
@@ -578,7 +582,8 @@ class LLMEngine:
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs: need the tokenizer (this engine was made with "
                              "skip_tokenizer_init=True)")
-        if not params.spaces_between_special_tokens and self.tokenizer is not None and self._spaces_special():
+        if (not params.spaces_between_special_tokens and not params.skip_special_tokens
+                and self.tokenizer is not None and self._spaces_special()):
             raise ValueError("spaces_between_special_tokens: False is not supported with this model's tokenizer, "
                              "which puts a space between special tokens")
         prompt = normalize_prompt(prompt)

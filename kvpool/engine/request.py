@@ -187,7 +187,8 @@ class Request(CacheRequest):
             n_out = self.num_output_tokens
             for word in self.bad_words_ids:
                 k = len(word) - 1
-                if k <= n_out and (k == 0 or tuple(out[len(out) - k:]) == word[:k]):
+                # (the output's last token first: most words fail there, without a slice)
+                if k == 0 or (k <= n_out and out[-1] == word[k - 1] and tuple(out[len(out) - k:]) == word[:k]):
                     ban.add(word[-1])
         return sorted(ban) or None
 

@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 MAX_N = 128
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (every step adds them to its logits)
 MAX_ALLOWED_TOKENS = 1 << 17  # tokens one request may restrict its sampling to (more than any vocabulary)
-MAX_BAD_WORDS = 1024  # words one request may ban (every step matches each against the output's tail)
+# bad_words: every step of the request matches each word's tokens against its output's tail, so they are bounded
+# (vLLM's bounds): words, their token sequences (a word may give two: as written, and after a space) and tokens.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_SEQUENCES = 128
+MAX_BAD_WORD_TOKENS = 1024
 MAX_LOGPROBS = 20  # top tokens' log-probabilities per sampled token at most (OpenAI's and vLLM's default bound)
 
 

@@ -89,7 +89,16 @@ class Detokenizer:
         pieces = []
         with self.lock:
             for tok in ids[done:]:
-                piece = stream.step(backend, tok)
+                try:
+                    piece = stream.step(backend, tok)
+                except Exception as e:
+                    if "Invalid prefix" not in str(e):
+                        raise
+                    # Byte tokens that make no UTF-8 character, then a whole token: the stream's state is
+                    # broken (tokenizers raises "Invalid prefix encountered"). A fresh one goes on from this
+                    # token, as vLLM's detokenizer does; the final text is a full decode anyway.
+                    stream = state[0] = DecodeStream(skip_special_tokens=req.sampling_params.skip_special_tokens)
+                    piece = stream.step(backend, tok)
                 if piece:
                     pieces.append(piece)
         state[1] = len(ids)

@@ -37,13 +37,14 @@ def _no_additional_properties(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: _no_additional_properties(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    # (type "object" only: a `properties` map is walked too, and a property may be named "properties")
+    if out.get("type") == "object" and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 
 
 def grammar_spec(params: StructuredOutputsParams) -> str:
-    """llguidance's grammar for a constraint (not yet checked: `Grammars.matcher` does)."""
+    """llguidance's grammar for a constraint (not yet checked: `Grammars.grammar` does)."""
     import llguidance
 
     kind = params.kind

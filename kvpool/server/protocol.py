@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to SamplingParams.
 
 Fields kvpool does not implement are refused with a message naming them when they would change the
-result (response_format, tools, guided decoding, vLLM's beam search / bad words / special-token options and
-a request's own chat template: `_UNSUPPORTED`), and ignored when they are only bookkeeping (`user`,
-`metadata`).
+result (tools, function calls, vLLM's beam search, a completion's chat template options: `_UNSUPPORTED`), and
+ignored when they are only bookkeeping (`user`, `metadata`). Structured outputs come from any one of
+OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields (`_structured_outputs`).
 """
 
 from __future__ import annotations

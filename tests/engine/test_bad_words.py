@@ -137,8 +137,15 @@ def test_spaces_between_special_tokens_and_bad_input(llm: LLM) -> None:
             SamplingParams(bad_words=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="skip_special_tokens: must be True or False"):
         SamplingParams(skip_special_tokens="no")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="bad_words: at most 1024 words"):
-        SamplingParams(bad_words=["w"] * 1025)
+    with pytest.raises(ValueError, match="bad_words: at most 128 words"):
+        SamplingParams(bad_words=["w"] * 129)
+    # Bounded once tokenized too (each step matches them against the output): sequences, then tokens.
+    words = [f"w{i}" for i in range(100)]  # (two sequences each: as written and after a space)
+    with pytest.raises(ValueError, match="bad_words: at most 128 token sequences of 1024 tokens in all, got 200"):
+        llm.generate(PROMPT, SamplingParams.greedy(1, bad_words=words), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words: at most 128 token sequences of 1024 tokens in all, got 2 of"):
+        llm.generate(PROMPT, SamplingParams.greedy(1, bad_words=["word " * 600]), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bad_words_need_the_tokenizer(tiny_llama_dir: Path) -> None:
@@ -165,5 +172,9 @@ def test_spaces_between_special_tokens_false_is_refused_where_the_decoder_spaces
     llm = LLM(str(path), dtype="float32", num_blocks=16, block_size=4)
     assert llm.engine.tokenizer.decode([1, 2], skip_special_tokens=False) == "[CLS] [SEP]"
     with pytest.raises(ValueError, match="spaces_between_special_tokens: False is not supported with this model"):
-        llm.generate("the fox", SamplingParams.greedy(2, spaces_between_special_tokens=False), use_tqdm=False)
+        llm.generate("the fox", SamplingParams.greedy(2, spaces_between_special_tokens=False,
+                                                      skip_special_tokens=False), use_tqdm=False)
+    # With special tokens left out of the text (the default), there is nothing to space: taken.
+    quiet = SamplingParams.greedy(2, ignore_eos=True, spaces_between_special_tokens=False)
+    assert len(llm.generate("the fox", quiet, use_tqdm=False)[0].token_ids) == 2
     assert len(llm.generate("the fox", SamplingParams.greedy(2, ignore_eos=True), use_tqdm=False)[0].token_ids) == 2

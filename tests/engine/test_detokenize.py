@@ -87,3 +87,32 @@ def test_every_prompt_output_split_streams_the_final_text_and_no_prompt_text(smo
         head = tok.decode(prompt, skip_special_tokens=True)
         if "\ufffd" not in head:  # a clean boundary: prompt + completion reads as the whole
             assert head + final == tok.decode(ids, skip_special_tokens=True), k
+
+
+def test_byte_tokens_that_make_no_character_do_not_break_the_stream() -> None:
+    """A byte-fallback tokenizer's byte tokens with no UTF-8 character between them, then a whole token: the
+    tokenizers library's DecodeStream raises "Invalid prefix" (it would fail the engine's step). A fresh
+    stream goes on from that token, as vLLM's detokenizer does."""
+    import threading
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvpool.engine.request import Request
+    from kvpool.engine.stop import Detokenizer, StopChecker
+
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("<0x32>", -1.0), ("<0xD3>", -1.0), ("▁word", -1.0),
+              ("协同", -1.0)]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    check = StopChecker(Detokenizer(hf, threading.Lock()))
+    req = Request("r", [5], SamplingParams(max_tokens=10), eos_token_ids=[])
+    texts = []
+    for t in [3, 4, 6, 5]:  # "2", a lone 0xD3 byte, "协同", " word"
+        req.append_output_token_ids(t)
+        check(req)
+        texts.append(req.output_text)
+    assert texts[-1].endswith("协同 word") and texts[0] == "2"
