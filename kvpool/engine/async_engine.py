@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -127,6 +128,11 @@ class AsyncEngine:
         self._last_token_time: dict[str, dict[int, tuple[int, float]]] = {}
         self._pending = 0  # requests submitted and not yet finished or aborted
         self._pending_lock = threading.Lock()
+        # Requests with a structured output are made here (their constraint compiled: milliseconds, or seconds for
+        # a pathological schema that llguidance cannot cancel), apart from the default pool that tokenizes
+        # every other request: a burst of slow compiles waits for these threads, never stalls plain requests.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                                   thread_name_prefix="kvpool-grammar")
         # Held while an item goes into the inbox and while the stopping engine thread closes it: an item put
         # after the thread's last look at the inbox would wait there forever (a request hung, not refused).
         self._inbox_lock = threading.Lock()
@@ -156,6 +162,7 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is None:
             return
         self._inbox.put(_STOP)
@@ -250,8 +257,14 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        req = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id=request_id,
-                                      cache_salt=cache_salt, mm_inputs=mm_inputs, lora_request=lora_request)
+        if self._pending >= self.max_pending:  # (before the work of making it; checked again once made)
+            raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")
+        make = functools.partial(self.engine.make_request, prompt, params, request_id=request_id,
+                                 cache_salt=cache_salt, mm_inputs=mm_inputs, lora_request=lora_request)
+        if getattr(params, "structured_outputs", None) is not None:
+            req = await asyncio.get_running_loop().run_in_executor(self._grammar_pool, make)
+        else:
+            req = await asyncio.to_thread(make)
         with self._pending_lock:
             if self._pending >= self.max_pending:
                 raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")

@@ -27,7 +27,7 @@ class StructuredOutputsParams:
     Exactly one of `json` (a JSON schema, as a dict or its text), `regex`, `choice` (the answer is one of
     these strings), `grammar` (Lark, or llama.cpp's GBNF) or `json_object` (any JSON object)."""
 
-    json: str | dict | None = None
+    json: str | dict | bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -42,17 +42,21 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         self.validate()
 
+    def _given(self) -> list[str]:
+        # (json_object false asks for nothing; a json schema of `false` is a schema, refused when compiled)
+        return [k for k in self.KINDS if getattr(self, k) is not None and (k != "json_object" or self.json_object)]
+
     @property
     def kind(self) -> str:
         """Which constraint it is (the one field of KINDS set)."""
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
 
     def validate(self) -> None:
-        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs: exactly one of {', '.join(self.KINDS)} must be set, got "
                              f"{given or 'none'}")
-        if self.json is not None and not isinstance(self.json, str | dict):
+        if self.json is not None and not isinstance(self.json, str | dict | bool):
             raise ValueError(f"structured_outputs.json: a JSON schema (an object or its text), got "
                              f"{type(self.json).__name__}")
         for name in ("regex", "grammar"):

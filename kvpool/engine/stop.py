@@ -14,12 +14,15 @@ A request ended by a stop token (EOS or one of its stop_token_ids) leaves that t
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
 from kvpool.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded before the output (vLLM's initial detokenization offset)
 
@@ -119,6 +122,13 @@ class StopChecker:
 
     def __call__(self, req: Request) -> bool:
         finished = req.check_stop_token()
+        if not finished and req.grammar is not None and req.grammar.error:
+            # Its structured output's matcher stopped following the text (one of llguidance's bounds, reached
+            # mid-way): the text ends here, a prefix of what was asked for, and stop_reason says why.
+            log.warning("request %s: structured output stopped: %s", req.request_id, req.grammar.error)
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = f"structured_outputs: {req.grammar.error}"
+            finished = True
         if self.detokenizer is None:
             return finished
         stops = req.sampling_params.stop

@@ -40,7 +40,8 @@ def apply_penalties(row: torch.Tensor, history: History, p: Penalties) -> torch.
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         # A penalty near 0 sends a positive logit to inf (and the softmax to NaN): the largest float instead.
-        torch.nan_to_num_(row, posinf=torch.finfo(row.dtype).max)
+        # (-inf stays: a structured output's mask put it there.)
+        torch.nan_to_num_(row, posinf=torch.finfo(row.dtype).max, neginf=float("-inf"))
     out = every[num_prompt:]
     out = out[out < width]
     if out.numel() and (p.frequency_penalty or p.presence_penalty):

@@ -166,13 +166,13 @@ class _SamplingFields(_NullIsDefault):
     _STRUCTURED_SOURCES = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                            "guided_grammar")
 
-    def _structured_source(self) -> str | None:
+    def _structured_source(self, strict: bool = True) -> str | None:
         """The field that asks for a structured output (response_format "text" asks for none); ValueError when
-        several do."""
+        several do (`strict`; else the first of them)."""
         given = [k for k in self._STRUCTURED_SOURCES if getattr(self, k) is not None]
-        if self.response_format == {"type": "text"}:
+        if isinstance(self.response_format, dict) and self.response_format.get("type") == "text":
             given.remove("response_format")
-        if len(given) > 1:
+        if len(given) > 1 and strict:
             raise ValueError(f"{given[1]}: give one of {', '.join(self._STRUCTURED_SOURCES)}, not several (got "
                              f"{', '.join(given)})")
         return given[0] if given else None
@@ -180,7 +180,7 @@ class _SamplingFields(_NullIsDefault):
     def structured_renames(self) -> dict[str, str]:
         """The engine names a structured output's fields as StructuredOutputsParams' (`structured_outputs.json`):
         to the field the client sent (for `APIError.from_value_error`)."""
-        source = self._structured_source()
+        source = self._structured_source(strict=False)  # (called outside the handlers' try: never raises)
         if source is None or source == "structured_outputs":
             return {}
         return {f"structured_outputs.{k}": source for k in StructuredOutputsParams.KINDS}

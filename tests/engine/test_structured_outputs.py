@@ -104,6 +104,42 @@ def test_the_end_of_the_constraint_allows_eos_alone(llm: LLM) -> None:
     assert llm.generate(PROMPT, sampled, use_tqdm=False)[0].token_ids == [*yes, eos]
 
 
+def test_no_penalty_or_ban_lifts_the_constraint(llm: LLM) -> None:
+    # (a repetition penalty once turned the mask's -inf into the lowest float: tokens outside it were drawn
+    # wherever the bans and allowed_token_ids then left nothing else)
+    yes = llm.engine.encode("yes", add_special_tokens=False)
+    so = StructuredOutputsParams(choice=["yes"])
+    for kw in (dict(min_tokens=4), dict(bad_words=["yes"]), dict(allowed_token_ids=[yes[0] + 1])):
+        out = run(llm, so, n=6, repetition_penalty=1.1, frequency_penalty=0.5, **kw)  # type: ignore[arg-type]
+        assert out.token_ids[:len(yes)] == yes and out.text == "yes", (kw, out.text)
+
+
+def test_llguidance_bounds_refuse_or_end_the_text_saying_why(llm: LLM) -> None:
+    # A schema no text satisfies: refused when the request is made (its first mask is computed then).
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: no text satisfies it"):
+        run(llm, StructuredOutputsParams(json={"$ref": "#"}))
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: the schema false admits no value"):
+        run(llm, StructuredOutputsParams(json=False))  # type: ignore[arg-type]
+    # JSON Schema's `true`: any JSON value, as the empty schema.
+    anything = run(llm, StructuredOutputsParams(json={}, disable_any_whitespace=True), n=8).token_ids
+    assert run(llm, StructuredOutputsParams(json=True, disable_any_whitespace=True), n=8).token_ids == anything
+    # A grammar past a bound of llguidance's only once the text has begun (a row of 3001 items): the text ends
+    # where the matcher stopped following it, and stop_reason says why (not a silent "stop").
+    wide = StructuredOutputsParams(grammar="start: " + " | ".join(f'"k{i}" /[a-z]+/' for i in range(3000)))
+    out = run(llm, wide).outputs[0]
+    assert out.finish_reason == "stop" and out.text.startswith("k")
+    assert str(out.stop_reason).startswith("structured_outputs: Parser Error: Current row has 3001 items")
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_tokenizer_longer_than_the_lm_head(chat_mllama_dir: Path) -> None:
+    # Mllama's image token lies past its LM head: llguidance sees the whole tokenizer, the mask the head's width.
+    mllama = LLM(str(chat_mllama_dir), dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
+    assert len(mllama.engine.tokenizer) > mllama.engine.runner.num_logits
+    out = run(mllama, StructuredOutputsParams(regex="[a-c]{2,4}-[0-9]{2}"))
+    assert out.outputs[0].finish_reason == "stop" and re.fullmatch(r"[a-c]{2,4}-[0-9]{2}", out.text)
+
+
 def test_a_matcher_in_error_allows_eos_alone(llm: LLM) -> None:
     # (a token outside the mask cannot be drawn; were one taken, the text ends there rather than going on
     # unconstrained)
@@ -149,7 +185,14 @@ def test_additional_properties_can_be_disabled(llm: LLM) -> None:
     assert set(json.loads(closed.text)) == {"a"}
     from kvpool.engine.structured import _no_additional_properties
 
-    nested = {"type": "object", "properties": {"x": {"type": "object"}, "y": {"additionalProperties": True}}}
+    nested = {"type": "object", "properties": {"x": {"type": "object"}, "y": {"additionalProperties": True},
+                                               "properties": {"type": "object"},  # (a property so named)
+                                               "c": {"const": {"type": "object"}, "default": {"type": "object"}}},
+              "anyOf": [{"type": "object"}], "$defs": {"d": {"type": "object"}}}
     assert _no_additional_properties(nested) == {
         "type": "object", "additionalProperties": False,
-        "properties": {"x": {"type": "object", "additionalProperties": False}, "y": {"additionalProperties": True}}}
+        "properties": {"x": {"type": "object", "additionalProperties": False}, "y": {"additionalProperties": True},
+                       "properties": {"type": "object", "additionalProperties": False},
+                       "c": {"const": {"type": "object"}, "default": {"type": "object"}}},  # (values, not schemas)
+        "anyOf": [{"type": "object", "additionalProperties": False}],
+        "$defs": {"d": {"type": "object", "additionalProperties": False}}}

@@ -170,6 +170,9 @@ BAD = [
      "chat_template_kwargs: not supported by the omni server"),
     ("chat_template", chat(None, chat_template="{{ 'x' }}"), "chat_template",
      "chat_template: not supported by the omni server"),
+    ("two structured outputs", chat(None, guided_choice=["a"], structured_outputs={"regex": "a"}), "guided_choice",
+     "guided_choice: give one of response_format, structured_outputs, guided_json, guided_regex, guided_choice, "
+     "guided_grammar, not several (got structured_outputs, guided_choice)"),
     ("max_tokens", chat(None, max_tokens=0), "max_tokens", "max_tokens: must be an int >= 1, got 0"),
     # The field the client sent, as kvpool serve names it (not the engine's max_tokens).
     ("max_completion_tokens", chat(None, max_completion_tokens=0), "max_completion_tokens",

@@ -115,6 +115,13 @@ CASES = [
     ("/v1/completions", body(guided_grammar="start: ("), 400, "guided_grammar", "guided_grammar: "),
     ("/v1/completions", body(guided_regex="a", response_format={"type": "json_object"}), 400, "guided_regex",
      "guided_regex: give one of response_format, structured_outputs"),
+    # (chat's handler names the fields before anything else: once a 500, which a router counts as a dead replica)
+    ("/v1/chat/completions", json.dumps({**CHAT, "guided_regex": "a", "response_format": {"type": "json_object"}}
+                                        ).encode(), 400, "guided_regex", "guided_regex: give one of"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "guided_json": {"$ref": "#"}}).encode(), 400, "guided_json",
+     "guided_json: no text satisfies it"),
+    ("/v1/completions", body(guided_json={"type": "integer", "maximum": 10**20}), 400, "guided_json",
+     "guided_json: "),
     ("/v1/completions", body(structured_outputs={"regex": "a", "colour": 1}), 400, "structured_outputs",
      "structured_outputs: unknown field 'colour'"),
     ("/v1/completions", body(structured_outputs={"regex": "a", "whitespace_pattern": " "}), 400,
@@ -452,3 +459,47 @@ def test_a_batch_larger_than_the_server_holds_is_a_400_not_a_503(chat_llama_dir:
         assert httpx.post(f"{h.url}/v1/completions", json={**OK, "prompt": ["a", "b"]}).status_code == 200
     finally:
         h.stop()
+
+
+def test_structured_requests_are_made_apart_from_plain_ones(chat_llama_dir: Path) -> None:
+    """A structured output's constraint is compiled when its request is made (seconds for a pathological schema,
+    which llguidance cannot cancel): on threads of their own, so a burst of them never holds the threads that
+    tokenize plain requests. While one is held mid-compile, a plain request is made and answered."""
+    import threading
+
+    from kvpool.engine.sampling_params import StructuredOutputsParams
+
+    engine = make_engine(chat_llama_dir, num_blocks=32)
+    ae = AsyncEngine(engine, max_pending=8)
+    ae.start()
+    make = engine.make_request
+    held, release, threads = threading.Event(), threading.Event(), {}
+
+    def slow_compile(prompt: object, params: SamplingParams, **kw: object) -> object:
+        threads[kw["request_id"]] = threading.current_thread().name
+        if params.structured_outputs is not None:
+            held.set()
+            release.wait(30)
+        return make(prompt, params, **kw)  # type: ignore[arg-type]
+
+    engine.make_request = slow_compile  # type: ignore[method-assign]
+
+    async def run() -> str:
+        so = SamplingParams.greedy(2, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+        slow = [asyncio.create_task(ae.add_request("hello", so, request_id=f"s{i}")) for i in range(8)]
+        await asyncio.to_thread(held.wait, 10)
+        plain = await asyncio.wait_for(ae.add_request("hello", SamplingParams.greedy(2), request_id="p"), 10)
+        async for out in plain:
+            done = out
+        release.set()
+        for t in slow:
+            async for _ in await t:
+                pass
+        return done.outputs[0].finish_reason
+
+    try:
+        assert asyncio.run(run()) == "length"
+        assert threads["p"] != threads["s0"] and threads["s0"].startswith("kvpool-grammar")
+    finally:
+        release.set()
+        ae.shutdown()

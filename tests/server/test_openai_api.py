@@ -485,6 +485,11 @@ def test_structured_outputs_from_every_field_that_asks_for_one(server: ServerHan
                 "return_token_ids": True}
         c = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert (c["text"], c["token_ids"]) == (want_text, want_ids), field
+    # response_format text (with the other fields a client may send null): no constraint.
+    free_text, _ = offline_text(offline, prompt, 12)
+    free = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "response_format": {"type": "text", "json_schema": None}}
+    assert httpx.post(f"{server.url}/v1/completions", json=free, timeout=60).json()["choices"][0]["text"] == free_text
     obj = {"model": "tiny", "prompt": prompt, "max_tokens": 30, "temperature": 0,
            "response_format": {"type": "json_object"}}
     want_text, _ = offline_text(offline, prompt, 30, structured_outputs=StructuredOutputsParams(json_object=True))
