@@ -239,6 +239,18 @@ def peft_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]], 
     return out
 
 
+def stepped_text(engine: Any, prompt: str, params: Any) -> str:
+    """A request's text as the engine's steps bring it, the engine stepped by hand until it finishes (to
+    compare with the text `LLM.generate` gives the same request)."""
+    req = engine.add_request(prompt, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == req.request_id:
+                text = o.outputs[0].text
+    return text
+
+
 def fail_first_step(engine: object, fault: BaseException | None = None) -> dict[str, int]:
     """Make an engine's next step raise `fault` (RuntimeError("kernel exploded") by default) and the later
     ones run as before; the dict returned counts the steps tried since (`steps`)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import stepped_text
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
@@ -103,14 +104,8 @@ def test_special_tokens_text_is_kept_when_asked(llm: LLM) -> None:
         assert set(out.token_ids) & set(specials)  # (special tokens were drawn)
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=skip)
         assert ("<|im_" in out.text) is not skip
-        # Streamed step by step: the deltas add up to the same text.
-        req = llm.engine.add_request(PROMPT, sp)
-        text = ""
-        while llm.engine.has_unfinished_requests():
-            for o in llm.engine.step():
-                if o.request_id == req.request_id:
-                    text = o.outputs[0].text
-        assert text == out.text
+        # Grown step by step (the incremental decoder's text): the same.
+        assert stepped_text(llm.engine, PROMPT, sp) == out.text
 
 
 def test_the_stop_tokens_text_stays_out_with_special_tokens_kept(llm: LLM) -> None:

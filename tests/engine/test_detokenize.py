@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import make_tiny_llama
+from helpers import make_tiny_llama, stepped_text
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling_params import SamplingParams
@@ -47,13 +47,7 @@ def test_the_first_word_keeps_its_space_and_prompt_plus_text_is_the_whole(metasp
         assert prompt + out.text == whole, (out.text, tok.convert_ids_to_tokens(out.token_ids))
         seen_space += tok.convert_ids_to_tokens(out.token_ids[0]).startswith("▁")
         # Streamed through the engine step by step: the deltas add up to the same text.
-        req = llm.engine.add_request(prompt, sp)
-        streamed = ""
-        while llm.engine.has_unfinished_requests():
-            for o in llm.engine.step():
-                if o.request_id == req.request_id:
-                    streamed = o.outputs[0].text
-        assert streamed == out.text
+        assert stepped_text(llm.engine, prompt, sp) == out.text
     assert seen_space >= 2  # (the case that lost its space: a first token "▁word")
 
 
