@@ -128,11 +128,12 @@ class AsyncEngine:
         self._last_token_time: dict[str, dict[int, tuple[int, float]]] = {}
         self._pending = 0  # requests submitted and not yet finished or aborted
         self._pending_lock = threading.Lock()
-        # Requests with a structured output are made here (their constraint compiled: milliseconds, or seconds for
-        # a pathological schema that llguidance cannot cancel), apart from the default pool that tokenizes
-        # every other request: a burst of slow compiles waits for these threads, never stalls plain requests.
-        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2,
-                                                                   thread_name_prefix="kvpool-grammar")
+        # Requests whose structured output needs compiling are made here (milliseconds, or seconds for a
+        # pathological schema that llguidance cannot cancel), apart from the default pool that tokenizes every
+        # other request: a burst of slow compiles waits for these threads, never stalls plain requests or
+        # those whose constraint is compiled already. Made anew by each start.
+        self._grammar_pool = self._new_grammar_pool()
+        self._grammar_pool_closed = False
         # Held while an item goes into the inbox and while the stopping engine thread closes it: an item put
         # after the thread's last look at the inbox would wait there forever (a request hung, not refused).
         self._inbox_lock = threading.Lock()
@@ -153,15 +154,22 @@ class AsyncEngine:
     def remove_listener(self, fn: StepListener) -> None:
         self._listeners.remove(fn)
 
+    @staticmethod
+    def _new_grammar_pool() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-grammar")
+
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self._grammar_pool_closed:
+            self._grammar_pool, self._grammar_pool_closed = self._new_grammar_pool(), False
         with self._inbox_lock:
             self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        self._grammar_pool_closed = True
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is None:
             return
@@ -257,18 +265,24 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        if self._pending >= self.max_pending:  # (before the work of making it; checked again once made)
-            raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")
-        make = functools.partial(self.engine.make_request, prompt, params, request_id=request_id,
-                                 cache_salt=cache_salt, mm_inputs=mm_inputs, lora_request=lora_request)
-        if getattr(params, "structured_outputs", None) is not None:
-            req = await asyncio.get_running_loop().run_in_executor(self._grammar_pool, make)
-        else:
-            req = await asyncio.to_thread(make)
-        with self._pending_lock:
+        with self._pending_lock:  # (its place is taken before the work of making it: a burst cannot overrun it)
             if self._pending >= self.max_pending:
                 raise EngineOverloadedError(f"{self._pending} requests are in flight (limit {self.max_pending})")
             self._pending += 1
+        make = functools.partial(self.engine.make_request, prompt, params, request_id=request_id,
+                                 cache_salt=cache_salt, mm_inputs=mm_inputs, lora_request=lora_request)
+        so = getattr(params, "structured_outputs", None)
+        try:
+            if so is not None and not await asyncio.to_thread(self.engine.grammars_compiled, so):  # (to compile)
+                req = await asyncio.get_running_loop().run_in_executor(self._grammar_pool, make)
+            else:
+                req = await asyncio.to_thread(make)
+        except BaseException as e:
+            self._done(request_id)
+            if self._grammar_pool_closed and isinstance(e, asyncio.CancelledError | RuntimeError):
+                # (the engine shut down while it waited for a compile, or as it was handed to the pool)
+                raise EngineDeadError("the engine is not running") from None
+            raise
         stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
         try:
             self._put(("add", req, stream))

@@ -15,10 +15,12 @@ exactly the tokens its replica will run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,12 +51,17 @@ def load_chat_template(value: str, field: str = "chat_template") -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{field}: a chat template's file or text, got {value!r:.40}")
     if len(value) < 4096 and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            value = f.read()
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read(MAX_TEMPLATE_CHARS + 1)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{field}: {value!r:.80} cannot be read as UTF-8 text ({e})") from None
+        if not value.strip():
+            raise ValueError(f"{field}: the file is empty")
     elif not any(c in value for c in "{}\n"):
         raise ValueError(f"{field}: {value!r:.80} is not a file, nor a template's text (no '{{' in it)")
     if len(value) > MAX_TEMPLATE_CHARS:
-        raise ValueError(f"{field}: at most {MAX_TEMPLATE_CHARS} characters, got {len(value)}")
+        raise ValueError(f"{field}: at most {MAX_TEMPLATE_CHARS} characters, got more")
     return value
 
 
@@ -84,14 +91,23 @@ class ChatOptions:
                                  f"function of the template), not a template variable")
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> list[int]:
-    """The token ids of `messages` under the tokenizer's chat template and `options`."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions | None = None, *,
+                lock: AbstractContextManager[Any] | None = None, max_chars: int | None = None) -> list[int]:
+    """The token ids of `messages` under the tokenizer's chat template and `options`: the template rendered to
+    text, then the text encoded (what transformers' tokenize=True does). Only the encoding holds `lock` (the
+    tokenizer's, which the engine's thread decodes under): a template, a request's own above all, may take a
+    while to render. A text over `max_chars` is refused before it is encoded (a short template can render
+    gigabytes)."""
     o = options or ChatOptions()
     kw: dict[str, Any] = dict(o.template_kwargs)
     if o.continue_final_message:  # (a keyword older transformers lack: passed only when set)
         kw["continue_final_message"] = True
     if o.template is not None:
         kw["chat_template"] = o.template
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=o.add_generation_prompt, tokenize=True,
-                                        **kw)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=o.add_generation_prompt, tokenize=False,
+                                         **kw)
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(f"messages: the chat renders to {len(text)} characters, more than any prompt this model "
+                         f"takes ({max_chars})")
+    with lock if lock is not None else contextlib.nullcontext():
+        return list(tokenizer.encode(text, add_special_tokens=False))

@@ -36,7 +36,12 @@ from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.engine.parallel_sampling import ParentRequest, child_id, child_params
 from kvpool.engine.prompts import normalize_prompt
 from kvpool.engine.request import Request, RequestStatus, check_prompt_length
-from kvpool.engine.sampling_params import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, SamplingParams
+from kvpool.engine.sampling_params import (
+    MAX_BAD_WORD_SEQUENCES,
+    MAX_BAD_WORD_TOKENS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvpool.engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.engine.stage_outputs import StageOutputCollector
 from kvpool.engine.stop import Detokenizer, StopChecker
@@ -454,6 +459,10 @@ class LLMEngine:
         # (A word with a token past the LM head, an added token it never gives, can never be generated.)
         return tuple(w for w in out if max(w) < self.runner.num_logits)
 
+    def grammars_compiled(self, params: StructuredOutputsParams) -> bool:
+        """Whether a structured output's constraint is compiled already (making its request costs little)."""
+        return self.grammars is not None and self.grammars.compiled(params)
+
     def _spaces_special(self) -> bool:
         """Whether the tokenizer's decoder puts a space between two special tokens (then
         spaces_between_special_tokens=False would need a text of its own: refused). Asked once."""
@@ -516,9 +525,9 @@ class LLMEngine:
         from jinja2 import TemplateError  # (transformers renders templates with jinja2)
 
         try:
-            with self._tokenizer_lock:
-                return render_chat(self.tokenizer, messages,
-                                   options or ChatOptions(add_generation_prompt=add_generation_prompt))
+            return render_chat(self.tokenizer, messages,
+                               options or ChatOptions(add_generation_prompt=add_generation_prompt),
+                               lock=self._tokenizer_lock, max_chars=max(1 << 20, 64 * self.max_model_len))
         except TemplateError as e:  # the template's own check (`raise_exception`): roles that must alternate
             raise ValueError(f"messages: the model's chat template refused them: {e}") from None
         except ValueError as e:  # transformers' own (continue_final_message: a last message it cannot find)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.core.pins import Pin, PrefixNotCached
-from kvpool.engine.chat_template import ChatOptions
+from kvpool.engine.chat_template import ChatOptions, load_chat_template
 from kvpool.engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.lora_request import LoRARequest
@@ -107,9 +107,9 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Like generate, with each conversation rendered by the model's chat template, or `chat_template` (a
-        template's text) in its place (and vLLM's options: kvpool.engine.chat_template)."""
+        template's text or file) in its place (and vLLM's options: kvpool.engine.chat_template)."""
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {},
-                              chat_template)
+                              None if chat_template is None else load_chat_template(chat_template))
         if isinstance(messages, dict):  # one message
             convs = [[messages]]
         elif isinstance(messages, Sequence) and messages and not isinstance(messages, str):

@@ -27,11 +27,11 @@ import torch
 from kvpool.engine.sampling_params import StructuredOutputsParams
 
 # Compiled constraints kept for the next request with the same one. Each holds its lexer's states (up to
-# MAX_LEXER_STATES of ~1-2 kB: a pathological regex can build thousands), so a few dozen, not thousands.
-MAX_COMPILED = 16
+# MAX_LEXER_STATES of ~1-2 kB, and its tables: a pathological regex's held 165 MB at 50k states), so a few.
+MAX_COMPILED = 8
 # llguidance's own bounds, tighter than its defaults (250k lexer states) so that one request's regex cannot hold
 # hundreds of MB: past them the constraint is refused (a 400), never run half-built.
-MAX_LEXER_STATES = 50_000
+MAX_LEXER_STATES = 20_000
 
 # JSON Schema keywords whose values are schemas (`_no_additional_properties` walks these only: `const`, `enum`,
 # `default` and `examples` hold JSON values, which must not be rewritten).
@@ -190,15 +190,24 @@ class Grammars:
                 if compiled is None:
                     try:
                         compiled = self._compile(spec, params.kind)
+                        with self._lock:  # (cached before its gate goes: a request in between finds it)
+                            self._compiled[spec] = compiled
+                            if len(self._compiled) > MAX_COMPILED:
+                                self._compiled.popitem(last=False)
                     finally:
                         with self._lock:
                             self._compiling.pop(spec, None)
-                    with self._lock:
-                        self._compiled[spec] = compiled
-                        if len(self._compiled) > MAX_COMPILED:
-                            self._compiled.popitem(last=False)
         matcher, first = compiled
         return Grammar(matcher.deep_copy(), self.num_logits, self.eos_token_ids, first)
+
+    def compiled(self, params: StructuredOutputsParams) -> bool:
+        """Whether `params`' constraint is compiled already (False for one that would not compile)."""
+        try:
+            spec = grammar_spec(params)
+        except ValueError:
+            return False
+        with self._lock:
+            return spec in self._compiled
 
     def _cached(self, spec: str) -> tuple[Any, bytes] | None:
         with self._lock:

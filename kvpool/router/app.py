@@ -561,9 +561,11 @@ class Router:
             if path.endswith("/chat/completions"):
                 req = ChatCompletionRequest.model_validate(body)
                 images = image_digest(req.messages)
-                if self.tokenizer is None or req.chat_template is not None:
+                if req.chat_template is not None:
                     # (a request's own template is Jinja from a client: a replica that trusts such templates
-                    # renders it; the router does not, and routes the chat by load)
+                    # renders it; the router does not, and routes the chat by load, images or not)
+                    return None, req.cache_salt, None, 0
+                if self.tokenizer is None:
                     return None, req.cache_salt, images, 0
                 options = req.chat_options()
                 ids = self._chat_ids(chat_messages(req.messages), options)

@@ -363,3 +363,7 @@ def test_the_router_renders_the_replicas_template_and_never_a_requests_own(chat_
     assert len(r.route_key("/v1/chat/completions", chat).hashes) == len(ids) // 4 > 0
     own = r.route_key("/v1/chat/completions", {**chat, "chat_template": "{{ messages[0]['content'] }}"})
     assert own.hashes == [] and own.sticky is None
+    # With an image too (once an assertion, a 500 to the client).
+    pictured = image_chat("data:image/png;base64,AAAA")
+    own = r.route_key("/v1/chat/completions", {**pictured, "chat_template": "{{ messages[0]['content'] }}"})
+    assert own.hashes == [] and own.sticky is None

@@ -16,7 +16,13 @@ import pytest
 from helpers import fail_first_step
 from server_helpers import leave_early, make_engine, metric
 
-from kvpool.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, StepReport
+from kvpool.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    StepReport,
+)
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.server.errors import APIError, check_api_key
 from kvpool.server.serve import ServerHandle, start_server
@@ -470,7 +476,7 @@ def test_structured_requests_are_made_apart_from_plain_ones(chat_llama_dir: Path
     from kvpool.engine.sampling_params import StructuredOutputsParams
 
     engine = make_engine(chat_llama_dir, num_blocks=32)
-    ae = AsyncEngine(engine, max_pending=8)
+    ae = AsyncEngine(engine, max_pending=9)
     ae.start()
     make = engine.make_request
     held, release, threads = threading.Event(), threading.Event(), {}
@@ -497,9 +503,40 @@ def test_structured_requests_are_made_apart_from_plain_ones(chat_llama_dir: Path
                 pass
         return done.outputs[0].finish_reason
 
+    async def again() -> None:
+        so = SamplingParams.greedy(2, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+        # Compiled now: made with the plain requests, not queued behind compiles.
+        async for _ in await ae.add_request("hello", so, request_id="again"):
+            pass
+        # Requests being made hold their places: a burst past max_pending is refused, not queued for a compile.
+        release.clear()
+        new = SamplingParams.greedy(2, structured_outputs=StructuredOutputsParams(choice=["no"]))
+        burst = [asyncio.create_task(ae.add_request("hello", new, request_id=f"b{i}")) for i in range(10)]
+        await asyncio.sleep(0.5)
+        release.set()
+        outcome = await asyncio.gather(*burst, return_exceptions=True)
+        assert sum(isinstance(o, EngineOverloadedError) for o in outcome) == 1  # (9 places)
+        for o in outcome:
+            if not isinstance(o, BaseException):
+                async for _ in o:
+                    pass
+
     try:
         assert asyncio.run(run()) == "length"
         assert threads["p"] != threads["s0"] and threads["s0"].startswith("kvpool-grammar")
+        asyncio.run(again())
+        assert not threads["again"].startswith("kvpool-grammar") and ae.num_pending == 0
+        # Stopped and started again: structured requests are made again (their threads made anew).
+        ae.shutdown()
+        ae.start()
+        so = SamplingParams.greedy(2, structured_outputs=StructuredOutputsParams(regex="[0-9]"))
+
+        async def restarted() -> str:
+            async for out in await ae.add_request("hello", so, request_id="r"):
+                last = out
+            return last.outputs[0].text
+
+        assert asyncio.run(restarted()).isdigit()
     finally:
         release.set()
         ae.shutdown()

@@ -44,13 +44,25 @@ def test_a_model_without_a_template_takes_one_from_a_file_or_its_text(bare_dir: 
         LLM(str(bare_dir), chat_template="/no/such/template.jinja", **kw)
     with pytest.raises(ValueError, match="chat_template: renders chats with the tokenizer, and skip_tokenizer_init"):
         LLM(str(bare_dir), chat_template=TEMPLATE, skip_tokenizer_init=True, **kw)
+    empty, latin = tmp_path / "empty.jinja", tmp_path / "latin.jinja"
+    empty.write_text("  \n")
+    latin.write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    with pytest.raises(ValueError, match="chat_template: the file is empty"):
+        LLM(str(bare_dir), chat_template=str(empty), **kw)
+    with pytest.raises(ValueError, match=r"chat_template: .* cannot be read as UTF-8 text"):
+        LLM(str(bare_dir), chat_template=str(latin), **kw)
 
 
-def test_llm_chat_takes_a_template_for_one_call(chat_llama_dir: Path) -> None:
+def test_llm_chat_takes_a_template_for_one_call(chat_llama_dir: Path, tmp_path: Path) -> None:
     llm = LLM(str(chat_llama_dir), dtype="float32", num_blocks=32, block_size=4, max_model_len=64)
     own = llm.chat(MESSAGES, SamplingParams.greedy(1), use_tqdm=False)[0].prompt_token_ids
     given = llm.chat(MESSAGES, SamplingParams.greedy(1), use_tqdm=False, chat_template=TEMPLATE)[0]
     assert given.prompt_token_ids == llm.engine.encode(RENDERED) != own
+    # A file's path is read, as --chat-template reads it (not rendered as the prompt's text).
+    file = tmp_path / "template.jinja"
+    file.write_text(TEMPLATE)
+    assert llm.chat(MESSAGES, SamplingParams.greedy(1), use_tqdm=False, chat_template=str(file))[0] \
+        .prompt_token_ids == given.prompt_token_ids
     # (the model's own again on the next call)
     assert llm.chat(MESSAGES, SamplingParams.greedy(1), use_tqdm=False)[0].prompt_token_ids == own
 
@@ -74,5 +86,10 @@ def test_a_trusting_server_renders_the_requests_own_template(bare_dir: Path) -> 
         assert r.status_code == 400 and "no system messages" in r.json()["error"]["message"], r.text
         r = httpx.post(f"{h.url}/v1/chat/completions", json={**body, "chat_template": "{% for %}"}, timeout=60)
         assert r.status_code == 400, r.text
+        # A short template that renders far more than any prompt: refused before the text is encoded (the
+        # tokenizer's lock, which every running stream's detokenizing needs, is never held for it).
+        huge = {**body, "chat_template": "{{ 'ab ' * 3000000 }}"}
+        r = httpx.post(f"{h.url}/v1/chat/completions", json=huge, timeout=60)
+        assert r.status_code == 400 and "the chat renders to 9000000 characters" in r.json()["error"]["message"]
     finally:
         h.stop()
