@@ -106,7 +106,9 @@ class ServerConfig:
                               type=_positive)
     max_body_bytes: int = option(4 << 20, "larger request bodies get HTTP 413", type=_positive)
     trust_request_chat_template: bool = option(False, "take a chat request's own `chat_template` (a Jinja "
-                                                "template the server renders; refused with HTTP 400 without it)")
+                                                "template the server renders, sandboxed but free to spend CPU "
+                                                "time: only for clients you trust; refused with HTTP 400 "
+                                                "without it)")
     kv_events_endpoint: str | None = option(None, "publish KV cache events on this ZeroMQ PUB endpoint "
                                             "(e.g. tcp://127.0.0.1:5557)")
     kv_events_replay_endpoint: str | None = option(None, "answer replay requests (vLLM's ROUTER protocol) on this "
