@@ -211,8 +211,7 @@ class _SamplingFields(_NullIsDefault):
                 raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} (known: "
                                  f"{', '.join(_STRUCTURED_FIELDS)})")
             return StructuredOutputsParams(**spec)
-        kind = source.removeprefix("guided_")
-        return StructuredOutputsParams(**{"json" if kind == "json" else kind: getattr(self, source)})
+        return StructuredOutputsParams(**{source.removeprefix("guided_"): getattr(self, source)})
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
