@@ -278,7 +278,7 @@ class AsyncEngine:
             else:
                 req = await asyncio.to_thread(make)
         except BaseException as e:
-            self._done(request_id)
+            self._release_place()
             if self._grammar_pool_closed and isinstance(e, asyncio.CancelledError | RuntimeError):
                 # (the engine shut down while it waited for a compile, or as it was handed to the pool)
                 raise EngineDeadError("the engine is not running") from None
@@ -287,7 +287,7 @@ class AsyncEngine:
         try:
             self._put(("add", req, stream))
         except EngineDeadError:  # (it stopped while the prompt was being tokenized)
-            self._done(req.request_id)
+            self._release_place()
             raise
         return stream
 
@@ -409,7 +409,13 @@ class AsyncEngine:
                     fut.set_exception(e)
 
     def _done(self, request_id: str) -> None:
+        """A request in flight ended (engine thread)."""
         self._last_token_time.pop(request_id, None)
+        self._release_place()
+
+    def _release_place(self) -> None:
+        """A request's place among max_pending is free again (any thread: a request that was never queued gives
+        back its place here, touching nothing of the engine thread's, whose request may bear the same id)."""
         with self._pending_lock:
             self._pending -= 1
 
