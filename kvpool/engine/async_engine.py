@@ -384,13 +384,13 @@ class AsyncEngine:
                 _, req, stream = item
                 try:
                     self.engine.enqueue(req)
-                except ValueError as e:
-                    self._done(req.request_id)
+                except ValueError as e:  # (never queued: its id may be a running request's, whose timing stays)
+                    self._release_place()
                     stream.push(e)
                     continue
                 except Exception as e:  # a fault of this request's own: it fails, the engine serves on
                     log.exception("enqueueing request %s failed", req.request_id)
-                    self._done(req.request_id)
+                    self._release_place()
                     stream.push(EngineStepError(f"the request could not be queued ({e!r}); retry"))
                     continue
                 self._streams[req.request_id] = stream

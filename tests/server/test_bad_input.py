@@ -540,3 +540,47 @@ def test_structured_requests_are_made_apart_from_plain_ones(chat_llama_dir: Path
     finally:
         release.set()
         ae.shutdown()
+
+
+def test_a_duplicate_id_refused_at_queueing_leaves_the_running_requests_timing(chat_llama_dir: Path) -> None:
+    """Two requests with one id can both be made (the id is checked before a slow part, a constraint's compile)
+    and the second refused only when queued: the first's per-step timing must stay its own (its prompt once
+    counted its prefill twice)."""
+    import threading
+
+    engine = make_engine(chat_llama_dir, num_blocks=32)
+    ae = AsyncEngine(engine)
+    prompts: list[int] = []
+    ae.add_listener(lambda r: prompts.append(r.prompt_tokens) if r.prompt_tokens else None)
+    make, running = engine.make_request, threading.Event()
+
+    def slow(*a: object, **kw: object) -> object:
+        r = make(*a, **kw)  # type: ignore[arg-type]
+        if kw.get("cache_salt") == "slow":
+            running.wait(10)  # (made, its id checked; queued once the other one runs)
+        return r
+
+    engine.make_request = slow  # type: ignore[method-assign]
+
+    async def run() -> None:
+        sp = SamplingParams.greedy(400, ignore_eos=True)
+        late = asyncio.create_task(ae.add_request("Hello there", sp, request_id="a", cache_salt="slow"))
+        await asyncio.sleep(0.2)
+        first = await ae.add_request("Hello there", sp, request_id="a")
+        async for _ in first:
+            running.set()
+            refused = await late  # (refused when queued: on its stream)
+            with pytest.raises(ValueError, match="request_id: 'a' is already in use"):
+                async for _ in refused:
+                    pass
+            break
+        async for _ in first:
+            pass
+
+    ae.start()
+    try:
+        asyncio.run(run())
+        assert len(prompts) == 1 and ae.num_pending == 0
+    finally:
+        running.set()
+        ae.shutdown()
