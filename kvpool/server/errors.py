@@ -27,6 +27,16 @@ class ClientDisconnected(Exception):
     """The client went away before its answer was ready (the request was aborted, its blocks freed)."""
 
 
+def rename_field(msg: str, rename: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """A "field: what is wrong" message with its field renamed by `rename` (the engine's name for it -> the
+    request's), and the field (None for a message that names none)."""
+    head = msg.split(":", 1)[0]
+    field = head if ":" in msg and " " not in head else None
+    if field is not None and rename and field in rename:
+        return rename[field] + msg[len(field):], rename[field]
+    return msg, field
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -36,11 +46,7 @@ class APIError(Exception):
     def from_value_error(cls, e: ValueError, rename: dict[str, str] | None = None) -> APIError:
         """A 400 whose `param` is the field the message starts with; `rename` maps the engine's names
         for a field to the request's (the engine's `prompt_token_ids` is a chat request's `messages`)."""
-        msg = str(e)
-        field = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
-        if field is not None and rename and field in rename:
-            msg = rename[field] + msg[len(field):]
-            field = rename[field]
+        msg, field = rename_field(str(e), rename)
         return cls(400, msg, field)
 
     def body(self) -> dict[str, dict[str, object]]:

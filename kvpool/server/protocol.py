@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from kvpool.engine.chat_template import ChatOptions
 from kvpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from kvpool.server.errors import rename_field
 
 MAX_STOP_STRINGS = 64  # per request (OpenAI's limit is 4; vLLM's clients send more)
 
@@ -192,10 +193,7 @@ class _SamplingFields(_NullIsDefault):
         try:
             return self._structured_params(source)
         except ValueError as e:  # (named as the client named it: a guided_choice's error is guided_choice's)
-            msg = str(e)
-            field = msg.split(":", 1)[0]
-            to = self.structured_renames().get(field)
-            raise ValueError(msg if to is None else to + msg[len(field):]) from None
+            raise ValueError(rename_field(str(e), self.structured_renames())[0]) from None
 
     def _structured_params(self, source: str) -> StructuredOutputsParams:
         if source == "response_format":
